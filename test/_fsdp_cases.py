@@ -1,0 +1,394 @@
+"""FSDP2 models, evaluation scenarios and renderings shared by the multi-process tests.
+
+Everything here runs inside a rank started by ``backport._launch.run_ranks``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (  # imported before apply() on purpose
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import backport
+
+
+VOCAB, DIM = 16, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(DIM, DIM)
+        self.lin2 = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin2(F.relu(self.lin1(x)))
+
+
+class TinyLM(nn.Module):
+    """Embedding, blocks, norm and head: the shape of a decoder LM, in miniature."""
+
+    def __init__(self, n_blocks: int = 2, tied: bool = False, lora: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.lora_a = self.lora_b = None
+        if lora:
+            # Adapter on the head, which lives in the root FSDP group.
+            self.lora_a = nn.Linear(DIM, 2, bias=False)
+            self.lora_b = nn.Linear(2, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        h = self.norm(h)
+        logits = self.head(h)
+        if self.lora_a is not None:
+            logits = logits + self.lora_b(self.lora_a(h))
+        return logits
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One way of sharding, optimizing and evaluating the model."""
+
+    root: bool | int | None = None  # reshard_after_forward of the root group
+    blocks: bool | int | None = True
+    tail: bool | None = None  # a separate [norm, head] group, as accelerate builds
+    tied: bool = False
+    lora: bool = False
+    hsdp: bool = False
+    replicate: bool = False
+    multi_optim: bool = False
+    inference_mode: bool = False
+    options: tuple[tuple[str, bool], ...] = ()
+
+
+def raf_int(world_size: int) -> int:
+    # An int must divide the shard group size; 2 is a real smaller mesh on 4 ranks.
+    return 2 if world_size % 2 == 0 and world_size > 2 else 1
+
+
+CASES: dict[str, Case] = {
+    "root_none": Case(),
+    "root_false": Case(root=False),
+    "blocks_false_root_true": Case(root=True, blocks=False),
+    "tail_group_false": Case(root=True, tail=False),
+    "tied_weights": Case(tied=True),
+    "raf_int": Case(root="int", blocks="int"),  # type: ignore[arg-type]
+    "hsdp": Case(hsdp=True),
+    "lora_root_group": Case(lora=True),
+    "multi_optim_groups": Case(multi_optim=True),
+    "inference_mode": Case(inference_mode=True),
+    "full_state_dict": Case(options=(("full_state_dict", True),)),
+    "cpu_offload": Case(options=(("cpu_offload", True),)),
+    "full_cpu_offload": Case(options=(("full_state_dict", True), ("cpu_offload", True))),
+    "broadcast_from_rank0": Case(
+        options=(("full_state_dict", True), ("broadcast_from_rank0", True))
+    ),
+    "flatten_optimizer_state_dict": Case(
+        options=(("flatten_optimizer_state_dict", True),)
+    ),
+}
+REPLICATE_CASE = Case(replicate=True)
+
+
+def has_replicate() -> bool:
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import (  # noqa: F401
+            replicate,
+        )
+    except ImportError:
+        return False
+    return True
+
+
+def build(case: Case, seed: int = 0):
+    """Return (model, optimizers, options) for ``case`` on the current process group."""
+    world_size = dist.get_world_size()
+    torch.manual_seed(seed)
+    model = TinyLM(tied=case.tied, lora=case.lora)
+    resolve = {"int": raf_int(world_size)}
+    root = resolve.get(case.root, case.root)  # type: ignore[call-overload]
+    blocks = resolve.get(case.blocks, case.blocks)  # type: ignore[call-overload]
+    if case.replicate:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("replicate",))
+        for block in model.blocks:
+            replicate(block, mesh=mesh)
+        replicate(model, mesh=mesh)
+    else:
+        if case.hsdp:
+            shape = (2, world_size // 2) if world_size >= 2 else (1, 1)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=blocks)
+        if case.tail is not None:
+            fully_shard([model.norm, model.head], mesh=mesh, reshard_after_forward=case.tail)
+        fully_shard(model, mesh=mesh, reshard_after_forward=root)
+    if case.lora:
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith("lora_"))
+        optims = [torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)]
+    elif case.multi_optim:
+        block_params = list(model.blocks.parameters())
+        ids = {id(p) for p in block_params}
+        lin1 = [p for b in model.blocks for p in b.lin1.parameters()]
+        lin2 = [p for b in model.blocks for p in b.lin2.parameters()]
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        optims = [
+            torch.optim.Adam([{"params": lin1}, {"params": lin2, "lr": 5e-3}], lr=1e-2),
+            torch.optim.SGD(rest, lr=1e-2, momentum=0.9),
+        ]
+    else:
+        optims = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
+    return model, optims, StateDictOptions(**dict(case.options))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Same data on every rank, so results do not depend on the world size.
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (4, 6), generator=gen)
+    return tokens, torch.roll(tokens, 1, dims=1)
+
+
+def train_step(model, optims, step: int) -> float:
+    tokens, targets = batch(step)
+    loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    loss.backward()
+    for optim in optims:
+        optim.step()
+        optim.zero_grad()
+    return loss.item()
+
+
+def evaluate(model, case: Case) -> None:
+    """A forward with no backward: leaves reshard_after_forward=False groups unsharded."""
+    mode = torch.inference_mode if case.inference_mode else torch.no_grad
+    model.eval()
+    with mode():
+        model(batch(-1)[0])
+    model.train()
+
+
+def clone(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: clone(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(clone(v) for v in tree)
+    return tree
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flat(value, f"{prefix}/{key}"))
+        return out
+    if isinstance(tree, (list, tuple)):
+        out = {}
+        for idx, value in enumerate(tree):
+            out.update(_flat(value, f"{prefix}[{idx}]"))
+        return out
+    return {prefix: tree}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def differences(actual: Any, expected: Any) -> list[str]:
+    """Paths where two state dicts differ; tensors are compared exactly."""
+    flat_a, flat_e = _flat(actual), _flat(expected)
+    diffs = sorted(set(flat_a) ^ set(flat_e))
+    for path in sorted(set(flat_a) & set(flat_e)):
+        a, e = flat_a[path], flat_e[path]
+        if isinstance(a, torch.Tensor) != isinstance(e, torch.Tensor):
+            diffs.append(path)
+        elif isinstance(a, torch.Tensor):
+            same_layout = type(a) is type(e) and (
+                not isinstance(a, DTensor) or a.placements == e.placements
+            )
+            if not (same_layout and a.dtype == e.dtype and torch.equal(_local(a), _local(e))):
+                diffs.append(path)
+        elif a != e:
+            diffs.append(path)
+    return diffs
+
+
+def perturb(model, optims) -> None:
+    """Change every parameter and optimizer state, so a load has something to restore."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+        for optim in optims:
+            for state in optim.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        value.add_(1.0)
+
+
+def _get_model(model, optims, options, ref):
+    return differences(get_model_state_dict(model, options=options), ref["model"])
+
+
+def _get_optim(model, optims, options, ref):
+    return differences(get_optimizer_state_dict(model, optims, options=options), ref["optim"])
+
+
+def _get_state(model, optims, options, ref):
+    msd, osd = get_state_dict(model, optims, options=options)
+    return differences(msd, ref["model"]) + differences(osd, ref["optim"])
+
+
+def _rank0_only(options: StateDictOptions) -> bool:
+    return options.full_state_dict and options.cpu_offload
+
+
+def _load_options(options: StateDictOptions) -> StateDictOptions:
+    # A full state dict offloaded to CPU exists on rank 0 only: load by broadcast.
+    if _rank0_only(options):
+        return dataclasses.replace(options, broadcast_from_rank0=True)
+    return options
+
+
+def _load_input(ref: dict[str, Any], key: str, options: StateDictOptions) -> Any:
+    """What each rank passes to a set call.
+
+    Every rank passes rank 0's full state dict: a rank that passed an empty one
+    would skip the FQN mapping that fails on rank 0 without the fix, and the
+    ranks would then disagree on the next collective.
+    """
+    value = [clone(ref[key])]
+    if _rank0_only(options):
+        dist.broadcast_object_list(value, src=0)
+    return value[0]
+
+
+def _set_model(model, optims, options, ref):
+    set_model_state_dict(
+        model, _load_input(ref, "model", options), options=_load_options(options)
+    )
+    return differences(get_model_state_dict(model, options=options), ref["model"])
+
+
+def _set_optim(model, optims, options, ref):
+    set_optimizer_state_dict(
+        model, optims, _load_input(ref, "optim", options), options=_load_options(options)
+    )
+    return differences(get_optimizer_state_dict(model, optims, options=options), ref["optim"])
+
+
+def _set_state(model, optims, options, ref):
+    set_state_dict(
+        model,
+        optims,
+        model_state_dict=_load_input(ref, "model", options),
+        optim_state_dict=_load_input(ref, "optim", options),
+        options=_load_options(options),
+    )
+    msd, osd = get_state_dict(model, optims, options=options)
+    return differences(msd, ref["model"]) + differences(osd, ref["optim"])
+
+
+CALLS: dict[str, Callable] = {
+    "get_model": _get_model,
+    "get_optim": _get_optim,
+    "get_state": _get_state,
+    "set_model": _set_model,
+    "set_optim": _set_optim,
+    "set_state": _set_state,
+}
+
+
+def describe_error(err: BaseException) -> str:
+    """Exception type and a message with tensor printouts replaced by their type."""
+    if isinstance(err, KeyError) and err.args and isinstance(err.args[0], torch.Tensor):
+        return f"KeyError: <{type(err.args[0]).__name__}>"
+    return f"{type(err).__name__}: {err}"
+
+
+def run_case(case: Case) -> dict[str, str]:
+    """Each public state-dict call after an evaluation: 'ok' or what went wrong."""
+    outcomes = {}
+    for call_name, call in CALLS.items():
+        if os.environ.get("CASES_DEBUG"):
+            print(rank_env(), case, call_name, flush=True)
+        model, optims, options = build(case)
+        train_step(model, optims, 0)
+        # Before any evaluation every group is sharded: the reference state.
+        ref = {
+            "model": clone(get_model_state_dict(model, options=options)),
+            "optim": clone(get_optimizer_state_dict(model, optims, options=options)),
+        }
+        if call_name.startswith("set_"):
+            perturb(model, optims)
+        evaluate(model, case)
+        try:
+            diffs = call(model, optims, options, ref)
+        except Exception as err:  # noqa: BLE001 - the outcome is what we render
+            outcomes[call_name] = describe_error(err).split("\n")[0]
+        else:
+            outcomes[call_name] = "ok" if not diffs else f"differs at {diffs[:3]}"
+    return outcomes
+
+
+def render_outcomes(results: dict[str, dict[str, str]]) -> str:
+    """One line per case: the calls that did not return the exact reference state."""
+    lines = []
+    for name, outcomes in results.items():
+        failed = {call: out for call, out in outcomes.items() if out != "ok"}
+        if not failed:
+            lines.append(f"{name}: all 6 calls ok")
+            continue
+        kinds = sorted(set(failed.values()))
+        for kind in kinds:
+            calls = ", ".join(call for call, out in failed.items() if out == kind)
+            lines.append(f"{name}: {calls} -> {kind}")
+    return "\n".join(lines)
+
+
+def matrix_worker(case_names: list[str], include_replicate: bool) -> dict[str, str]:
+    """Run every case without and then with the backport; return both renderings."""
+    cases = {name: CASES[name] for name in case_names}
+    if include_replicate:
+        cases["replicate"] = REPLICATE_CASE
+    before = {name: run_case(case) for name, case in cases.items()}
+    backport.apply()
+    try:
+        after = {name: run_case(case) for name, case in cases.items()}
+    finally:
+        backport.revert()
+    return {"before": render_outcomes(before), "after": render_outcomes(after)}
+
+
+def rank_env() -> str:
+    return f"rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')}"
