@@ -6,7 +6,6 @@ Everything here runs inside a rank started by ``backport._launch.run_ranks``.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -71,12 +70,16 @@ class TinyLM(nn.Module):
         return logits
 
 
+# reshard_after_forward as an int that divides the world size; see raf_int().
+RAF_INT = "int"
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One way of sharding, optimizing and evaluating the model."""
 
-    root: bool | int | None = None  # reshard_after_forward of the root group
-    blocks: bool | int | None = True
+    root: bool | str | None = None  # reshard_after_forward of the root group
+    blocks: bool | str | None = True
     tail: bool | None = None  # a separate [norm, head] group, as accelerate builds
     tied: bool = False
     lora: bool = False
@@ -98,7 +101,7 @@ CASES: dict[str, Case] = {
     "blocks_false_root_true": Case(root=True, blocks=False),
     "tail_group_false": Case(root=True, tail=False),
     "tied_weights": Case(tied=True),
-    "raf_int": Case(root="int", blocks="int"),  # type: ignore[arg-type]
+    "raf_int": Case(root=RAF_INT, blocks=RAF_INT),
     "hsdp": Case(hsdp=True),
     "lora_root_group": Case(lora=True),
     "multi_optim_groups": Case(multi_optim=True),
@@ -131,9 +134,8 @@ def build(case: Case, seed: int = 0):
     world_size = dist.get_world_size()
     torch.manual_seed(seed)
     model = TinyLM(tied=case.tied, lora=case.lora)
-    resolve = {"int": raf_int(world_size)}
-    root = resolve.get(case.root, case.root)  # type: ignore[call-overload]
-    blocks = resolve.get(case.blocks, case.blocks)  # type: ignore[call-overload]
+    root = raf_int(world_size) if case.root == RAF_INT else case.root
+    blocks = raf_int(world_size) if case.blocks == RAF_INT else case.blocks
     if case.replicate:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -340,8 +342,6 @@ def run_case(case: Case) -> dict[str, str]:
     """Each public state-dict call after an evaluation: 'ok' or what went wrong."""
     outcomes = {}
     for call_name, call in CALLS.items():
-        if os.environ.get("CASES_DEBUG"):
-            print(rank_env(), case, call_name, flush=True)
         model, optims, options = build(case)
         train_step(model, optims, 0)
         # Before any evaluation every group is sharded: the reference state.
@@ -376,9 +376,9 @@ def render_outcomes(results: dict[str, dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def matrix_worker(case_names: list[str], include_replicate: bool) -> dict[str, str]:
-    """Run every case without and then with the backport; return both renderings."""
-    cases = {name: CASES[name] for name in case_names}
+def matrix_worker(include_replicate: bool) -> dict[str, str]:
+    """Run every case without and then with the backport; return the renderings."""
+    cases = dict(CASES)
     if include_replicate:
         cases["replicate"] = REPLICATE_CASE
     before = {name: run_case(case) for name, case in cases.items()}
@@ -390,5 +390,27 @@ def matrix_worker(case_names: list[str], include_replicate: bool) -> dict[str, s
     return {"before": render_outcomes(before), "after": render_outcomes(after)}
 
 
-def rank_env() -> str:
-    return f"rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')}"
+def _describe_value(value: Any) -> str:
+    if isinstance(value, DTensor):
+        placements = ", ".join(str(p) for p in value.placements)
+        return f"DTensor{list(value.shape)} {value.dtype} ({placements})"
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{list(value.shape)} {value.dtype}"
+    return repr(value)
+
+
+def render_optim_state_dict(osd: dict[str, Any]) -> str:
+    """Structure of a DCP optimizer state dict: FQNs, state entries, param groups."""
+    lines = []
+    for fqn in sorted(osd["state"]):
+        entries = osd["state"][fqn]
+        described = ", ".join(f"{k}={_describe_value(entries[k])}" for k in sorted(entries))
+        lines.append(f"state[{fqn}]: {described}")
+    for idx, group in enumerate(osd["param_groups"]):
+        # Only lr: the other hyperparameters differ between torch releases.
+        lines.append(f"param_groups[{idx}] lr={group['lr']}: {', '.join(group['params'])}")
+    return "\n".join(lines)
+
+
+def render_model_state_dict(msd: dict[str, Any]) -> str:
+    return "\n".join(f"{fqn}: {_describe_value(msd[fqn])}" for fqn in sorted(msd))
