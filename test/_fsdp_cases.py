@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import (  # imported before apply() on purpose
     StateDictOptions,
     get_model_state_dict,
@@ -224,7 +225,11 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if isinstance(tensor, DTensor):
+        return tensor.to_local()
+    if isinstance(tensor, ShardedTensor):  # FSDP1's sharded state dict
+        return tensor.local_tensor()
+    return tensor
 
 
 def differences(actual: Any, expected: Any) -> list[str]:
