@@ -1,0 +1,36 @@
+"""``python -m backport`` on the installed torch: affected, and fixed by apply()."""
+
+import subprocess
+import sys
+import unittest
+
+import expecttest
+import torch
+
+import backport
+
+
+class DiagnoseTest(expecttest.TestCase):
+    def test_python_m_backport(self) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "backport"], capture_output=True, text=True, timeout=300
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        out = proc.stdout.replace(str(torch.__version__), "<torch>").replace(
+            backport.__version__, "<version>"
+        )
+        self.assertExpectedInline(out, """\
+backport <version>: running FSDP2 on 2 CPU processes (gloo)...
+torch <torch>
+step                                      | torch as installed                     | with backport.apply()
+------------------------------------------|----------------------------------------|-----------------------
+optimizer state saved after no_grad eval  | KeyError: 4                            | ok
+optimizer state loaded after no_grad eval | KeyError: DTensor(...)                 | ok
+affected: yes
+fixed by backport.apply(): yes
+backport: applied: torch <torch>, torch.distributed.checkpoint.state_dict._verify_options wrapped (backport <version>)
+""")
+
+
+if __name__ == "__main__":
+    unittest.main()
