@@ -33,7 +33,16 @@ import re
 import threading
 import warnings
 from types import ModuleType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        _StateDictInfo,
+    )
 
 
 __all__ = [
@@ -71,32 +80,42 @@ class BackportWarning(RuntimeWarning):
     """The backport did nothing, and the caller should know why."""
 
 
-def _fsdp_reshard_needed(optims, info) -> bool:
-    """Whether FSDP2 modules must be resharded before ``info`` can be used."""
-    # FSDP1 maps its flat parameters itself and never leaves them unsharded.
+# The helpers below and the body of the wrapper are the upstream change in
+# torch_patch/: test/test_patch_matches_backport.py fails if they drift apart.
+
+
+def _fsdp_reshard_needed(
+    optims: tuple[torch.optim.Optimizer, ...], info: _StateDictInfo
+) -> bool:
+    """Return whether FSDP2 modules must be resharded before ``info`` is used."""
+    # FSDP1 optimizers hold the FlatParameters, which stay registered.
     if info.fsdp_modules:
         return False
     if optims:
-        return _find_unmapped_optim_param(optims, info.fqn_param_mapping) is not None
+        unmapped = _find_unmapped_optim_param(optims, info.fqn_param_mapping)
+        return unmapped is not None
     # model.state_dict() reshards through FSDP2's hooks, but loading a full
     # state dict distributes it onto the parameters the model holds now.
     return info.full_state_dict
 
 
-def _reshard_fsdp_modules(model) -> None:
-    """Reshard FSDP2 modules that a forward without backward left unsharded."""
+def _reshard_fsdp_modules(model: nn.Module) -> None:
+    """Reshard the FSDP2 modules that a forward without backward left unsharded."""
     from torch.distributed.fsdp import FSDPModule
 
     # reshard_after_forward=False or an int keeps the unsharded parameters
-    # registered until backward. reshard() issues no collective and is a no-op
-    # on a sharded module.
+    # registered until the backward. reshard() issues no collective and is a
+    # no-op on a module that is already sharded.
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
 
 
-def _find_unmapped_optim_param(optims, fqn_param_mapping):
-    """Return (optim, group, index, param) of the first param missing from the mapping."""
+def _find_unmapped_optim_param(
+    optims: tuple[torch.optim.Optimizer, ...],
+    fqn_param_mapping: dict[str | torch.Tensor, set[str] | torch.Tensor],
+) -> tuple[int, int, int, torch.Tensor] | None:
+    """Return (optim, group, index, param) of the first param not in the mapping."""
     for optim_idx, optim in enumerate(optims):
         for group_idx, param_group in enumerate(optim.param_groups):
             for param_idx, param in enumerate(param_group[_PARAMS]):
@@ -105,9 +124,13 @@ def _find_unmapped_optim_param(optims, fqn_param_mapping):
     return None
 
 
-def _verify_optim_params_owned(model, optims, fqn_param_mapping) -> None:
-    """Raise a ValueError naming the first optimizer param the model does not own."""
-    unmapped = _find_unmapped_optim_param(optims, fqn_param_mapping)
+def _verify_optim_params_owned(
+    model: nn.Module,
+    optims: tuple[torch.optim.Optimizer, ...],
+    info: _StateDictInfo,
+) -> None:
+    """Raise a ValueError naming the first optimizer param ``model`` does not own."""
+    unmapped = _find_unmapped_optim_param(optims, info.fqn_param_mapping)
     if unmapped is None:
         return
     optim_idx, group_idx, param_idx, param = unmapped
@@ -123,7 +146,14 @@ def _verify_optim_params_owned(model, optims, fqn_param_mapping) -> None:
 
 def _make_wrapper(verify_options: Callable) -> Callable:
     @functools.wraps(verify_options)
-    def _verify_options(model, optims, optim_only, *, submodules=None, options=None):
+    def _verify_options(
+        model: nn.Module,
+        optims: tuple[torch.optim.Optimizer, ...],
+        optim_only: bool,
+        *,
+        submodules: set[nn.Module] | None = None,
+        options: StateDictOptions | None = None,
+    ) -> _StateDictInfo:
         info = verify_options(
             model, optims, optim_only, submodules=submodules, options=options
         )
@@ -132,7 +162,7 @@ def _make_wrapper(verify_options: Callable) -> Callable:
             info = verify_options(
                 model, optims, optim_only, submodules=submodules, options=options
             )
-            _verify_optim_params_owned(model, optims, info.fqn_param_mapping)
+            _verify_optim_params_owned(model, optims, info)
         return info
 
     setattr(_verify_options, _MARKER, __version__)

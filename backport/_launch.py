@@ -29,6 +29,8 @@ def _free_port() -> int:
 def _rank_main(rank, world_size, port, fn, args, results) -> None:
     import torch.distributed as dist
 
+    # Native libraries (gloo) log to stdout; keep the parent's stdout for results.
+    os.dup2(2, 1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
