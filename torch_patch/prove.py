@@ -69,7 +69,9 @@ def _apply(tree: Path) -> str:
             cwd=tree, capture_output=True, text=True,
         )
         if check.returncode == 0:
-            subprocess.run(["git", "apply", *extra, str(PATCH)], cwd=tree, check=True)
+            subprocess.run(
+                ["git", "apply", *extra, str(PATCH)], cwd=tree, check=True, capture_output=True
+            )
             return "clean" if not extra else f"with {' '.join(extra)}"
     raise SystemExit(f"git apply --check failed:\n{check.stderr}")
 
