@@ -1,0 +1,233 @@
+"""accelerate (FSDP2 plugin) + transformers + peft: checkpointing after an evaluation.
+
+accelerate turns FSDP on only for accelerator devices, so each rank sets its
+distributed state to FSDP itself before ``prepare``; nothing else of accelerate
+is changed. Each operation runs after one training step and a ``no_grad``
+evaluation: first on torch as installed, then after ``backport.apply()``.
+"""
+
+import tempfile
+import unittest
+
+import expecttest
+
+import backport
+from _fsdp_cases import clone, describe_error, differences, perturb
+from backport._launch import run_ranks
+
+
+try:
+    import accelerate
+    import peft
+    import transformers
+except ImportError:  # the suite's test extra installs them
+    accelerate = None
+
+VOCAB = 64
+
+
+def _prepare(variant: str):
+    """A fresh Accelerator, FSDP2 plugin and tiny Llama, trained for one step."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=variant == "tied",
+    )
+    model = LlamaForCausalLM(config)
+    if variant == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=2, target_modules=["q_proj", "v_proj", "lm_head"])
+        )
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        state_dict_type="SHARDED_STATE_DICT",
+    )
+    accelerator = Accelerator(cpu=True)
+    # What accelerate would set on an accelerator device with this plugin.
+    PartialState().distributed_type = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optim = accelerator.prepare(model, optim)
+    assert accelerator.is_fsdp2, "accelerate did not take the FSDP2 path"
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    optim.step()
+    optim.zero_grad()
+    return accelerator, plugin, model, optim, ids
+
+
+def _evaluate(model, ids) -> None:
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+    model.train()
+
+
+def _try(fn) -> str:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the outcome is what we render
+        return describe_error(err).split("\n")[0]
+    return "ok"
+
+
+def _restored(model, optim, ref) -> str:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    diffs = differences(get_optimizer_state_dict(model, optim), ref)
+    return "restored exactly" if not diffs else f"differs at {diffs[:3]}"
+
+
+def _fsdp_optimizer_files(variant: str, tmp: str) -> list[str]:
+    from accelerate.utils.fsdp_utils import load_fsdp_optimizer, save_fsdp_optimizer
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    accelerator, plugin, model, optim, ids = _prepare(variant)
+    ref = clone(get_optimizer_state_dict(model, optim))
+    save_fsdp_optimizer(plugin, accelerator, optim, model, f"{tmp}/before_eval")
+    _evaluate(model, ids)
+    saved = _try(lambda: save_fsdp_optimizer(plugin, accelerator, optim, model, f"{tmp}/after_eval"))
+    perturb(model, [optim])
+    _evaluate(model, ids)
+    loaded = _try(
+        lambda: load_fsdp_optimizer(plugin, accelerator, optim, model, f"{tmp}/before_eval")
+    )
+    lines = [f"save_fsdp_optimizer: {saved}", f"load_fsdp_optimizer: {loaded}"]
+    if loaded == "ok":
+        lines[-1] += f", {_restored(model, optim, ref)}"
+    return lines
+
+
+def _dsd_with_accelerate_options(variant: str) -> list[str]:
+    from accelerate.utils.fsdp_utils import _prepare_sd_options
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    accelerator, plugin, model, optim, ids = _prepare(variant)
+    options = _prepare_sd_options(plugin)
+    ref = clone(get_optimizer_state_dict(model, optim, options=options))
+    _evaluate(model, ids)
+    got = {}
+    outcome = _try(lambda: got.setdefault("osd", get_optimizer_state_dict(model, optim, options=options)))
+    if outcome == "ok":
+        outcome = "equal to the state before eval" if not differences(got["osd"], ref) else "DIFFERS"
+    perturb(model, [optim])
+    _evaluate(model, ids)
+    loaded = _try(lambda: set_optimizer_state_dict(model, optim, clone(ref), options=options))
+    lines = [f"get_optimizer_state_dict: {outcome}", f"set_optimizer_state_dict: {loaded}"]
+    if loaded == "ok":
+        lines[-1] += f", {_restored(model, optim, ref)}"
+    return lines
+
+
+def _accelerator_state(variant: str, tmp: str) -> list[str]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    accelerator, plugin, model, optim, ids = _prepare(variant)
+    ref = clone(get_optimizer_state_dict(model, optim))
+    accelerator.save_state(f"{tmp}/state_before_eval")
+    _evaluate(model, ids)
+    saved = _try(lambda: accelerator.save_state(f"{tmp}/state_after_eval"))
+    perturb(model, [optim])
+    _evaluate(model, ids)
+    loaded = _try(lambda: accelerator.load_state(f"{tmp}/state_before_eval"))
+    lines = [f"Accelerator.save_state: {saved}", f"Accelerator.load_state: {loaded}"]
+    if loaded == "ok":
+        lines[-1] += f", {_restored(model, optim, ref)}"
+    return lines
+
+
+def accelerate_worker(variant: str, tmp: str) -> dict[str, str]:
+    rendered = {}
+    for patched in (False, True):
+        if patched:
+            backport.apply()
+        where = f"{tmp}/{'patched' if patched else 'unpatched'}"
+        lines = (
+            _fsdp_optimizer_files(variant, where)
+            + _dsd_with_accelerate_options(variant)
+            + _accelerator_state(variant, where)
+        )
+        rendered["patched" if patched else "unpatched"] = "\n".join(lines)
+    backport.revert()
+    return rendered
+
+
+@unittest.skipIf(accelerate is None, "needs accelerate, transformers and peft")
+class AccelerateCheckpointAfterEvalTest(expecttest.TestCase):
+    def _run(self, variant: str) -> dict[str, str]:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = run_ranks(2, accelerate_worker, variant, tmp)
+        self.assertEqual(results[0], results[1])
+        return results[0]
+
+    def test_untied_embeddings(self) -> None:
+        result = self._run("untied")
+        self.assertExpectedInline(result["unpatched"], """\
+save_fsdp_optimizer: KeyError: 19
+load_fsdp_optimizer: KeyError: 19
+get_optimizer_state_dict: KeyError: 19
+set_optimizer_state_dict: KeyError: <DTensor>
+Accelerator.save_state: ok
+Accelerator.load_state: ok, restored exactly""")
+        self.assertExpectedInline(result["patched"], """\
+save_fsdp_optimizer: ok
+load_fsdp_optimizer: ok, restored exactly
+get_optimizer_state_dict: equal to the state before eval
+set_optimizer_state_dict: ok, restored exactly
+Accelerator.save_state: ok
+Accelerator.load_state: ok, restored exactly""")
+
+    def test_tied_embeddings(self) -> None:
+        result = self._run("tied")
+        self.assertExpectedInline(result["unpatched"], """\
+save_fsdp_optimizer: KeyError: 0
+load_fsdp_optimizer: KeyError: 0
+get_optimizer_state_dict: KeyError: 0
+set_optimizer_state_dict: KeyError: <DTensor>
+Accelerator.save_state: ok
+Accelerator.load_state: ok, restored exactly""")
+        self.assertExpectedInline(result["patched"], """\
+save_fsdp_optimizer: ok
+load_fsdp_optimizer: ok, restored exactly
+get_optimizer_state_dict: equal to the state before eval
+set_optimizer_state_dict: ok, restored exactly
+Accelerator.save_state: ok
+Accelerator.load_state: ok, restored exactly""")
+
+    def test_peft_lora_with_lm_head(self) -> None:
+        result = self._run("lora")
+        self.assertExpectedInline(result["unpatched"], """\
+save_fsdp_optimizer: KeyError: 8
+load_fsdp_optimizer: KeyError: 8
+get_optimizer_state_dict: KeyError: 8
+set_optimizer_state_dict: KeyError: <DTensor>
+Accelerator.save_state: ok
+Accelerator.load_state: ok, restored exactly""")
+        self.assertExpectedInline(result["patched"], """\
+save_fsdp_optimizer: ok
+load_fsdp_optimizer: ok, restored exactly
+get_optimizer_state_dict: equal to the state before eval
+set_optimizer_state_dict: ok, restored exactly
+Accelerator.save_state: ok
+Accelerator.load_state: ok, restored exactly""")
+
+
+if __name__ == "__main__":
+    unittest.main()
