@@ -1,0 +1,59 @@
+"""backport/__init__.py works as one copied file, and copies agree through torch's marker."""
+
+import ast
+import importlib.util
+import shutil
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+
+import torch.distributed.checkpoint.state_dict as dsd
+
+import backport
+
+
+SOURCE = Path(backport.__file__)
+
+
+def _load_copy(directory: str, name: str):
+    path = Path(directory) / f"{name}.py"
+    shutil.copy(SOURCE, path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class VendoringTest(unittest.TestCase):
+    def setUp(self) -> None:
+        self.original = dsd._verify_options
+        self.addCleanup(setattr, dsd, "_verify_options", self.original)
+
+    def test_imports_only_stdlib_and_torch(self) -> None:
+        tree = ast.parse(SOURCE.read_text())
+        roots = {
+            (node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+            for alias in node.names
+        }
+        self.assertEqual(roots - set(sys.stdlib_module_names), {"torch"})
+
+    def test_copies_share_one_patch(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            vendored = _load_copy(tmp, "yourpkg_dcp_eval_backport")
+            self.assertFalse(vendored.is_applied())
+            vendored.apply()
+            # The package's copy sees the vendored patch and does not wrap it again.
+            self.assertTrue(backport.is_applied())
+            backport.apply()
+            self.assertIs(dsd._verify_options.__wrapped__, self.original)
+            # Either copy reverts it.
+            backport.revert()
+            self.assertIs(dsd._verify_options, self.original)
+            self.assertFalse(vendored.is_applied())
+
+
+if __name__ == "__main__":
+    unittest.main()
