@@ -5,8 +5,9 @@ An FSDP2 group with ``reshard_after_forward=False`` (the root's default) or an
 evaluation under ``torch.no_grad()``. The model then holds the unsharded
 parameters while the optimizer holds the sharded DTensors, and
 ``torch.distributed.checkpoint.state_dict`` fails to map optimizer params to
-FQNs: ``get_optimizer_state_dict`` raises ``KeyError: 0`` and
-``set_optimizer_state_dict`` / ``set_state_dict`` raise ``KeyError: DTensor(...)``.
+FQNs: ``get_optimizer_state_dict`` raises ``KeyError: 0``,
+``set_optimizer_state_dict`` / ``set_state_dict`` raise ``KeyError: DTensor(...)``,
+and a full ``set_model_state_dict`` mixes Tensors and DTensors.
 
 ``apply()`` wraps ``torch.distributed.checkpoint.state_dict._verify_options``,
 which all six public state-dict functions call before anything else. When an
@@ -196,13 +197,18 @@ def _check_support(version: str, module: ModuleType) -> str | None:
             "whether your torch already fixes FSDP2 optimizer state dicts "
             "after evaluation and drop the backport."
         )
+    if target is None:
+        raise UnsupportedTorchError(
+            f"torch {version} has no {_TARGET_MODULE}.{_TARGET_NAME}; this backport "
+            f"supports torch {_supported_range()} as released."
+        )
     original = getattr(target, "__wrapped__", target)
     code = getattr(original, "__code__", None)
     names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount] if code else ()
     if tuple(names) != _TARGET_PARAMS:
         raise UnsupportedTorchError(
             f"torch {version} changed {_TARGET_MODULE}.{_TARGET_NAME} (expected "
-            f"parameters {_TARGET_PARAMS}, found {tuple(names) or target!r}); this "
+            f"parameters {_TARGET_PARAMS}, found {tuple(names) or repr(target)}); this "
             f"backport supports torch {_supported_range()} as released."
         )
     return None
