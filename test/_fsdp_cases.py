@@ -224,6 +224,10 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: tree}
 
 
+def count_tensors(tree: Any) -> int:
+    return sum(isinstance(value, torch.Tensor) for value in _flat(tree).values())
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         return tensor.to_local()

@@ -11,6 +11,7 @@ from _fsdp_cases import (
     CASES,
     build,
     clone,
+    count_tensors,
     describe_error,
     differences,
     evaluate,
@@ -101,8 +102,8 @@ def roundtrip_worker(case_name: str, ckpt_dir: str) -> list[str]:
         ]
     finally:
         backport.revert()
-    n_optim = len(list(_flat_tensors(saved_osd)))
-    n_model = len(list(_flat_tensors(saved_msd)))
+    n_optim = count_tensors(saved_osd)
+    n_model = count_tensors(saved_msd)
     lines += [
         f"patched optimizer state restored: {n_optim - len(optim_diffs)}/{n_optim} tensors equal",
         f"patched model state restored: {n_model - len(model_diffs)}/{n_model} tensors equal",
@@ -110,17 +111,6 @@ def roundtrip_worker(case_name: str, ckpt_dir: str) -> list[str]:
         f"losses after load == losses of the saved run: {restored_losses == losses}",
     ]
     return lines
-
-
-def _flat_tensors(tree, prefix=""):
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from _flat_tensors(value, f"{prefix}/{key}")
-    elif isinstance(tree, (list, tuple)):
-        for idx, value in enumerate(tree):
-            yield from _flat_tensors(value, f"{prefix}[{idx}]")
-    elif hasattr(tree, "shape"):
-        yield prefix, tree
 
 
 class CheckpointRoundtripTest(expecttest.TestCase):
