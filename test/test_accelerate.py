@@ -6,6 +6,7 @@ is changed. Each operation runs after one training step and a ``no_grad``
 evaluation: first on torch as installed, then after ``backport.apply()``.
 """
 
+import importlib.util
 import tempfile
 import unittest
 
@@ -16,12 +17,9 @@ from _fsdp_cases import clone, describe_error, differences, perturb
 from backport._launch import run_ranks
 
 
-try:
-    import accelerate
-    import peft
-    import transformers
-except ImportError:  # the suite's test extra installs them
-    accelerate = None
+HAS_HF_STACK = all(
+    importlib.util.find_spec(name) for name in ("accelerate", "transformers", "peft")
+)
 
 VOCAB = 64
 
@@ -169,7 +167,7 @@ def accelerate_worker(variant: str, tmp: str) -> dict[str, str]:
     return rendered
 
 
-@unittest.skipIf(accelerate is None, "needs accelerate, transformers and peft")
+@unittest.skipUnless(HAS_HF_STACK, "needs accelerate, transformers and peft")
 class AccelerateCheckpointAfterEvalTest(expecttest.TestCase):
     def _run(self, variant: str) -> dict[str, str]:
         with tempfile.TemporaryDirectory() as tmp:
