@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 
 HERE = Path(__file__).resolve().parent
@@ -76,18 +77,33 @@ def _apply(tree: Path) -> str:
     raise SystemExit(f"git apply --check failed:\n{check.stderr}")
 
 
-def _run_test(test_file: Path, env: dict[str, str], log: Path, pytest_args) -> str:
+class TestRun(NamedTuple):
+    returncode: int
+    tests: int | None  # unittest's "Ran N tests"; None if the run never got there
+    summary: str  # unittest's last "OK ..." or "FAILED ..." line
+    log: Path
+
+    def describe(self) -> str:
+        verdict = "passed" if self.returncode == 0 else "failed"
+        tests = "?" if self.tests is None else self.tests
+        return f"{verdict} ({tests} tests, {self.summary or 'no unittest summary'})"
+
+    def tail(self, lines: int = 15) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-lines:])
+
+
+def _run_test(test_file: Path, env: dict[str, str], log: Path, test_args) -> TestRun:
     with log.open("w") as out:
         proc = subprocess.run(
-            [sys.executable, str(test_file), *pytest_args],
+            [sys.executable, str(test_file), *test_args],
             cwd=test_file.parents[3], env=env, stdout=out, stderr=subprocess.STDOUT,
         )
     text = log.read_text()
     ran = re.findall(r"^Ran (\d+) tests?", text, re.MULTILINE)
-    summary = re.findall(r"^(OK|FAILED)\b(.*)$", text, re.MULTILINE)
-    detail = f"{summary[-1][0]}{summary[-1][1]}" if summary else "no unittest summary"
-    tests = ran[-1] if ran else "?"
-    return ("passed" if proc.returncode == 0 else "failed") + f" ({tests} tests, {detail})"
+    summary = re.findall(r"^((?:OK|FAILED)\b.*)$", text, re.MULTILINE)
+    return TestRun(
+        proc.returncode, int(ran[-1]) if ran else None, summary[-1] if summary else "", log
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
 
     base_env = {**os.environ, "PYTORCH_PRINT_REPRO_ON_FAILURE": "0"}
     base_env.pop("TORCH_PATCH_STATE_DICT", None)
+    # With CI set, torch's run_tests() writes XML reports through xmlrunner,
+    # which is PyTorch's CI dependency, not ours; the proof reads unittest's
+    # own summary, so run the test as a developer would.
+    base_env.pop("CI", None)
     patched_env = {
         **base_env,
         "PYTHONPATH": os.pathsep.join(
@@ -130,14 +150,25 @@ def main(argv: list[str] | None = None) -> int:
 
     unpatched = _run_test(test_file, base_env, scratch / "unpatched.log", args.test_args)
     patched = _run_test(test_file, patched_env, scratch / "patched.log", args.test_args)
-    proven = unpatched.startswith("failed") and patched.startswith("passed")
+    # Both runs must reach unittest's summary over the same tests, so that an
+    # import error or a crash before the first test never counts as the bug.
+    proven = (
+        bool(unpatched.tests)
+        and unpatched.tests == patched.tests
+        and unpatched.summary.startswith("FAILED")
+        and patched.returncode == 0
+        and patched.summary.startswith("OK")
+    )
     print(f"torch {version}: {PATCH.name}")
     print(f"git apply to the installed {TARGET}: {applied}")
     print(f"upstream test {test_file.relative_to(tree)}:")
-    print(f"  torch as installed: {unpatched}")
-    print(f"  patched state_dict.py: {patched}")
+    print(f"  torch as installed: {unpatched.describe()}")
+    print(f"  patched state_dict.py: {patched.describe()}")
     print(f"backport.status() on the patched torch: {probe[1]}")
     print(f"result: {'the patch fixes' if proven else 'NOT PROVEN on'} torch {version}")
+    if not proven:
+        for name, run in (("torch as installed", unpatched), ("patched", patched)):
+            print(f"--- last lines of the {name} run ({run.log.name}):\n{run.tail()}")
     if not proven or args.keep:
         print(f"logs and scratch tree: {scratch}")
     return 0 if proven else 1
