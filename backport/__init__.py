@@ -170,6 +170,11 @@ def _make_wrapper(verify_options: Callable) -> Callable:
     return _verify_options
 
 
+def _applied_version(obj: object) -> str | None:
+    """The backport version that made the wrapper ``obj``, or None for anything else."""
+    return getattr(obj, _MARKER, None)
+
+
 def _torch_release(version: str) -> tuple[int, int] | None:
     # "2.13.0a0+git1234" is a 2.13 source build: compare major.minor only.
     match = re.match(r"(\d+)\.(\d+)", str(version))
@@ -187,7 +192,7 @@ def _check_support(version: str, module: ModuleType) -> str | None:
     Raises UnsupportedTorchError when it can be neither patched nor skipped.
     """
     target = getattr(module, _TARGET_NAME, None)
-    if getattr(target, _MARKER, None) is None and hasattr(module, _FIX_ARTIFACT):
+    if _applied_version(target) is None and hasattr(module, _FIX_ARTIFACT):
         return f"torch {version} already contains the fix; remove the backport"
     release = _torch_release(version)
     if release is None or not _SUPPORTED[0] <= release <= _SUPPORTED[1]:
@@ -235,7 +240,7 @@ def apply() -> str:
         reason = _check_support(torch.__version__, module)
         if reason is None:
             current = getattr(module, _TARGET_NAME)
-            if getattr(current, _MARKER, None) is None:
+            if _applied_version(current) is None:
                 setattr(module, _TARGET_NAME, _make_wrapper(current))
     if reason is not None:
         warnings.warn(f"backport.apply() did nothing: {reason}.", BackportWarning, stacklevel=2)
@@ -251,7 +256,7 @@ def revert() -> str:
     _, module = _target_module()
     with _lock:
         current = getattr(module, _TARGET_NAME, None)
-        if getattr(current, _MARKER, None) is not None:
+        if _applied_version(current) is not None:
             setattr(module, _TARGET_NAME, current.__wrapped__)
         elif getattr(current, "__wrapped__", None) is not None:
             warnings.warn(
@@ -266,14 +271,14 @@ def revert() -> str:
 def is_applied() -> bool:
     """Whether this backport's wrapper is installed in torch now."""
     _, module = _target_module()
-    return getattr(getattr(module, _TARGET_NAME, None), _MARKER, None) is not None
+    return _applied_version(getattr(module, _TARGET_NAME, None)) is not None
 
 
 def get_original() -> Any:
     """The unpatched ``_verify_options`` (the live one when nothing is applied)."""
     _, module = _target_module()
     current = getattr(module, _TARGET_NAME)
-    if getattr(current, _MARKER, None) is not None:
+    if _applied_version(current) is not None:
         return current.__wrapped__
     return current
 
@@ -283,7 +288,7 @@ def status() -> str:
     torch, module = _target_module()
     where = f"{_TARGET_MODULE}.{_TARGET_NAME}"
     current = getattr(module, _TARGET_NAME, None)
-    applied_version = getattr(current, _MARKER, None)
+    applied_version = _applied_version(current)
     if applied_version is not None:
         return f"applied: torch {torch.__version__}, {where} wrapped (backport {applied_version})"
     try:
