@@ -10,12 +10,12 @@ FQNs: ``get_optimizer_state_dict`` raises ``KeyError: 0``,
 and a full ``set_model_state_dict`` mixes Tensors and DTensors.
 
 ``apply()`` wraps ``torch.distributed.checkpoint.state_dict._verify_options``,
-which all six public state-dict functions call before anything else. When an
-optimizer holds a param that the model does not currently expose (or a full
-model state dict is handled), the wrapper reshards every FSDP2 module
-(``FSDPModule.reshard()``, no collective) and builds the mapping again; an
-optimizer param still missing then raises a ``ValueError`` that names it. The
-common path adds one dict lookup per optimizer param and no walk over the model.
+which all six public state-dict functions call before anything else. The
+wrapper first reshards every FSDP2 group that owns parameters of the module
+passed in (``FSDPModule.reshard()`` on each FSDP module in it; for a plain
+submodule inside a group, the state-dict pre-hook FSDP2 registered on it), with
+no collective and as a no-op on sharded groups, then builds the mapping once.
+An optimizer param the model does not own raises a ``ValueError`` that names it.
 
 Targets torch 2.8 to 2.15 (``_SUPPORTED``). The same change is proposed
 upstream (``torch_patch/`` in this project). Vendor as-is: this file needs only
@@ -65,7 +65,7 @@ _TARGET_PARAMS = ("model", "optims", "optim_only", "submodules", "options")
 _SUPPORTED = ((2, 8), (2, 15))
 # Breakpoint: no torch release contains the fix yet. A torch carrying it (a
 # release, or one with torch_patch/ applied) defines this helper in the target.
-_FIX_ARTIFACT = "_fsdp_reshard_needed"
+_FIX_ARTIFACT = "_reshard_fsdp2_modules"
 # Set on the wrapper installed in torch, so every vendored copy agrees.
 _MARKER = "_fsdp2_eval_reshard_backport"
 _PARAMS = "params"
@@ -85,64 +85,53 @@ class BackportWarning(RuntimeWarning):
 # torch_patch/: test/test_patch_matches_backport.py fails if they drift apart.
 
 
-def _fsdp_reshard_needed(
-    optims: tuple[torch.optim.Optimizer, ...], info: _StateDictInfo
-) -> bool:
-    """Return whether FSDP2 modules must be resharded before ``info`` is used."""
-    # FSDP1 optimizers hold the FlatParameters, which stay registered.
-    if info.fsdp_modules:
-        return False
-    if optims:
-        unmapped = _find_unmapped_optim_param(optims, info.fqn_param_mapping)
-        return unmapped is not None
-    # model.state_dict() reshards through FSDP2's hooks, but loading a full
-    # state dict distributes it onto the parameters the model holds now.
-    return info.full_state_dict
+def _reshard_fsdp2_modules(model: nn.Module) -> None:
+    """Reshard the FSDP2 parameters of ``model`` that a forward left unsharded."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
 
-
-def _reshard_fsdp_modules(model: nn.Module) -> None:
-    """Reshard the FSDP2 modules that a forward without backward left unsharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    # reshard_after_forward=False or an int keeps the unsharded parameters
-    # registered until the backward. reshard() issues no collective and is a
-    # no-op on a module that is already sharded.
-    for module in model.modules():
+    # A forward without backward (e.g. an evaluation under torch.no_grad()) or
+    # an explicit unshard() leaves groups with reshard_after_forward=False or an
+    # int unsharded while the optimizers hold the sharded parameters. reshard()
+    # is not recursive, issues no collective and is a no-op on a sharded group.
+    modules = [(model, False)]
+    while modules:
+        module, in_fsdp2_module = modules.pop()
         if isinstance(module, FSDPModule):
             module.reshard()
-
-
-def _find_unmapped_optim_param(
-    optims: tuple[torch.optim.Optimizer, ...],
-    fqn_param_mapping: dict[str | torch.Tensor, set[str] | torch.Tensor],
-) -> tuple[int, int, int, torch.Tensor] | None:
-    """Return (optim, group, index, param) of the first param not in the mapping."""
-    for optim_idx, optim in enumerate(optims):
-        for group_idx, param_group in enumerate(optim.param_groups):
-            for param_idx, param in enumerate(param_group[_PARAMS]):
-                if param not in fqn_param_mapping:
-                    return optim_idx, group_idx, param_idx, param
-    return None
+            in_fsdp2_module = True
+        elif isinstance(module, FSDP):
+            # FSDP1 keeps its FlatParameters registered, and its state_dict
+            # hooks issue collectives.
+            continue
+        elif not in_fsdp2_module and module._state_dict_pre_hooks:
+            # Parameters of a module outside every FSDPModule in ``model`` can
+            # belong to the group of an FSDPModule above ``model``, which only
+            # the state_dict pre-hook FSDP2 registers on the module reshards.
+            module.state_dict(keep_vars=True)
+            continue
+        modules.extend((child, in_fsdp2_module) for child in module.children())
 
 
 def _verify_optim_params_owned(
     model: nn.Module,
     optims: tuple[torch.optim.Optimizer, ...],
-    info: _StateDictInfo,
+    fqn_param_mapping: dict[str | torch.Tensor, set[str] | torch.Tensor],
 ) -> None:
     """Raise a ValueError naming the first optimizer param ``model`` does not own."""
-    unmapped = _find_unmapped_optim_param(optims, info.fqn_param_mapping)
-    if unmapped is None:
-        return
-    optim_idx, group_idx, param_idx, param = unmapped
-    raise ValueError(
-        f"Optimizer {optim_idx} ({type(optims[optim_idx]).__name__}) holds a "
-        f"parameter that {type(model).__name__} does not own: "
-        f"param_groups[{group_idx}]['params'][{param_idx}], "
-        f"{type(param).__name__} of shape {tuple(param.shape)}. Build the "
-        "optimizer from this model's parameters after fully_shard(), and pass "
-        "the same model to the state_dict functions."
-    )
+    for optim_idx, optim in enumerate(optims):
+        for group_idx, param_group in enumerate(optim.param_groups):
+            for param_idx, param in enumerate(param_group[_PARAMS]):
+                if param in fqn_param_mapping:
+                    continue
+                raise ValueError(
+                    f"Optimizer {optim_idx} ({type(optim).__name__}) holds a "
+                    f"parameter that {type(model).__name__} does not own: "
+                    f"param_groups[{group_idx}]['params'][{param_idx}], "
+                    f"{type(param).__name__} of shape {tuple(param.shape)}. Build "
+                    "the optimizer from this model's parameters after "
+                    "fully_shard(), and pass the same model to the state_dict "
+                    "functions."
+                )
 
 
 def _make_wrapper(verify_options: Callable) -> Callable:
@@ -155,15 +144,13 @@ def _make_wrapper(verify_options: Callable) -> Callable:
         submodules: set[nn.Module] | None = None,
         options: StateDictOptions | None = None,
     ) -> _StateDictInfo:
+        _reshard_fsdp2_modules(model)
         info = verify_options(
             model, optims, optim_only, submodules=submodules, options=options
         )
-        if _fsdp_reshard_needed(optims, info):
-            _reshard_fsdp_modules(model)
-            info = verify_options(
-                model, optims, optim_only, submodules=submodules, options=options
-            )
-            _verify_optim_params_owned(model, optims, info)
+        # FSDP1, whose optimizers hold FlatParameters, is left as it was.
+        if not info.fsdp_modules:
+            _verify_optim_params_owned(model, optims, info.fqn_param_mapping)
         return info
 
     setattr(_verify_options, _MARKER, __version__)

@@ -6,6 +6,7 @@ Everything here runs inside a rank started by ``backport._launch.run_ranks``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,8 +24,14 @@ from torch.distributed.checkpoint.state_dict import (  # imported before apply()
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 
 import backport
@@ -89,6 +96,14 @@ class Case:
     multi_optim: bool = False
     inference_mode: bool = False
     options: tuple[tuple[str, bool], ...] = ()
+    # The root group holds only a frozen embedding; the optimizer the rest.
+    frozen: bool = False
+    # FSDPModule.unshard() on every FSDP module instead of an evaluation.
+    unshard: bool = False
+    mixed_precision: bool = False  # MixedPrecisionPolicy(param_dtype=bfloat16)
+    offload_policy: bool = False  # FSDP2's CPUOffloadPolicy
+    checkpoint_wrapper: bool = False  # blocks wrapped for activation checkpointing
+    compile: bool = False  # torch.compile(backend="eager") around the sharded model
 
 
 def raf_int(world_size: int) -> int:
@@ -135,6 +150,16 @@ def build(case: Case, seed: int = 0):
     world_size = dist.get_world_size()
     torch.manual_seed(seed)
     model = TinyLM(tied=case.tied, lora=case.lora)
+    if case.checkpoint_wrapper:
+        model.blocks = nn.ModuleList(checkpoint_wrapper(block) for block in model.blocks)
+    if case.frozen:
+        model.embed.weight.requires_grad_(False)
+    fsdp_kwargs: dict[str, Any] = {}
+    if case.mixed_precision:
+        fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    if case.offload_policy:
+        # Pinned memory needs an accelerator.
+        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     root = raf_int(world_size) if case.root == RAF_INT else case.root
     blocks = raf_int(world_size) if case.blocks == RAF_INT else case.blocks
     if case.replicate:
@@ -151,11 +176,18 @@ def build(case: Case, seed: int = 0):
         else:
             mesh = init_device_mesh("cpu", (world_size,))
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=blocks)
+            fully_shard(block, mesh=mesh, reshard_after_forward=blocks, **fsdp_kwargs)
         if case.tail is not None:
-            fully_shard([model.norm, model.head], mesh=mesh, reshard_after_forward=case.tail)
-        fully_shard(model, mesh=mesh, reshard_after_forward=root)
-    if case.lora:
+            fully_shard(
+                [model.norm, model.head],
+                mesh=mesh,
+                reshard_after_forward=case.tail,
+                **fsdp_kwargs,
+            )
+        fully_shard(model, mesh=mesh, reshard_after_forward=root, **fsdp_kwargs)
+    if case.frozen:
+        optims = [torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)]
+    elif case.lora:
         for name, param in model.named_parameters():
             param.requires_grad_(name.startswith("lora_"))
         optims = [torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)]
@@ -171,6 +203,8 @@ def build(case: Case, seed: int = 0):
         ]
     else:
         optims = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
+    if case.compile:
+        model = torch.compile(model, backend="eager")
     return model, optims, StateDictOptions(**dict(case.options))
 
 
@@ -193,6 +227,12 @@ def train_step(model, optims, step: int) -> float:
 
 def evaluate(model, case: Case) -> None:
     """A forward with no backward: leaves reshard_after_forward=False groups unsharded."""
+    if case.unshard:
+        # As RL frameworks do before generation; nothing reshards until a backward.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
+        return
     mode = torch.inference_mode if case.inference_mode else torch.no_grad
     model.eval()
     with mode():
@@ -255,12 +295,12 @@ def differences(actual: Any, expected: Any) -> list[str]:
     return diffs
 
 
-def perturb(model, optims) -> None:
-    """Change every parameter and optimizer state, so a load has something to restore."""
+def perturb(model, optims, params: bool = True, optim_state: bool = True) -> None:
+    """Change parameters and optimizer states, so a load has something to restore."""
     with torch.no_grad():
-        for param in model.parameters():
+        for param in model.parameters() if params else ():
             param.add_(1.0)
-        for optim in optims:
+        for optim in optims if optim_state else ():
             for state in optim.state.values():
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
@@ -330,6 +370,25 @@ def _set_state(model, optims, options, ref):
     return differences(msd, ref["model"]) + differences(osd, ref["optim"])
 
 
+def _set_model_per_module(model, optims, options, ref):
+    """Lightning Fabric's load of a full checkpoint into an FSDP2 model.
+
+    One ``set_model_state_dict`` per module and tensor, on the module that holds
+    it directly (``fabric/strategies/model_parallel.py``, ``_load_raw_module_state``).
+    """
+    full = clone(ref["full_model"])
+    load_options = StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, strict=False
+    )
+    for module_name, module in model.named_modules():
+        for name, _ in itertools.chain(
+            module.named_buffers(recurse=False), module.named_parameters(recurse=False)
+        ):
+            fqn = f"{module_name}.{name}" if module_name else name
+            set_model_state_dict(module, {name: full[fqn]}, options=load_options)
+    return differences(get_model_state_dict(model, options=options), ref["model"])
+
+
 CALLS: dict[str, Callable] = {
     "get_model": _get_model,
     "get_optim": _get_optim,
@@ -347,10 +406,28 @@ def describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def run_case(case: Case) -> dict[str, str]:
-    """Each public state-dict call after an evaluation: 'ok' or what went wrong."""
+def losses_after(model, optims, steps: tuple[int, ...] = (1, 2)) -> list[float]:
+    return [train_step(model, optims, step) for step in steps]
+
+
+def reference_losses(case: Case) -> list[float]:
+    """Losses of the steps after the first, in a run that never evaluated or checkpointed."""
+    model, optims, _ = build(case)
+    train_step(model, optims, 0)
+    return losses_after(model, optims)
+
+
+def run_case(
+    case: Case, calls: dict[str, Callable] = CALLS, check_losses: bool = False
+) -> dict[str, str]:
+    """Each call after an evaluation: 'ok' or what went wrong.
+
+    With ``check_losses``, 'ok' also needs the next training steps to give the
+    exact losses of a run that never evaluated or checkpointed.
+    """
+    expected_losses = reference_losses(case) if check_losses else None
     outcomes = {}
-    for call_name, call in CALLS.items():
+    for call_name, call in calls.items():
         model, optims, options = build(case)
         train_step(model, optims, 0)
         # Before any evaluation every group is sharded: the reference state.
@@ -358,15 +435,30 @@ def run_case(case: Case) -> dict[str, str]:
             "model": clone(get_model_state_dict(model, options=options)),
             "optim": clone(get_optimizer_state_dict(model, optims, options=options)),
         }
+        if call is _set_model_per_module:
+            ref["full_model"] = clone(
+                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            )
         if call_name.startswith("set_"):
-            perturb(model, optims)
+            # Only what the call restores, so the next steps can match the reference.
+            perturb(
+                model,
+                optims,
+                params="model" in call_name or "state" in call_name,
+                optim_state="optim" in call_name or "state" in call_name,
+            )
         evaluate(model, case)
         try:
             diffs = call(model, optims, options, ref)
         except Exception as err:  # noqa: BLE001 - the outcome is what we render
             outcomes[call_name] = describe_error(err).split("\n")[0]
+            continue
+        if diffs:
+            outcomes[call_name] = f"differs at {diffs[:3]}"
+        elif check_losses and (losses := losses_after(model, optims)) != expected_losses:
+            outcomes[call_name] = f"losses {losses} != {expected_losses}"
         else:
-            outcomes[call_name] = "ok" if not diffs else f"differs at {diffs[:3]}"
+            outcomes[call_name] = "ok"
     return outcomes
 
 
@@ -376,7 +468,7 @@ def render_outcomes(results: dict[str, dict[str, str]]) -> str:
     for name, outcomes in results.items():
         failed = {call: out for call, out in outcomes.items() if out != "ok"}
         if not failed:
-            lines.append(f"{name}: all 6 calls ok")
+            lines.append(f"{name}: all {len(outcomes)} calls ok")
             continue
         kinds = sorted(set(failed.values()))
         for kind in kinds:

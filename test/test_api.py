@@ -152,7 +152,7 @@ class SupportGateTest(expecttest.TestCase):
         )
 
     def test_torch_with_the_fix_needs_nothing(self) -> None:
-        module = _module_with(dsd._verify_options, _fsdp_reshard_needed=lambda *a: False)
+        module = _module_with(dsd._verify_options, _reshard_fsdp2_modules=lambda model: None)
         for version in ("2.13.0", "2.16.0"):
             self.assertExpectedInline(
                 backport._check_support(version, module).replace(version, "<v>"),
