@@ -1,6 +1,17 @@
+import os
 import sys
+import warnings
 
-from backport._diagnose import main
+
+# torch warns at import when numpy is absent, and the diagnosis needs no numpy.
+# The filter must be in place before torch is imported, here and in the ranks.
+_IGNORE_NUMPY = "ignore:Failed to initialize NumPy:UserWarning"
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+os.environ["PYTHONWARNINGS"] = ",".join(
+    filter(None, [os.environ.get("PYTHONWARNINGS"), _IGNORE_NUMPY])
+)
+
+from backport._diagnose import main  # noqa: E402
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """``python -m backport`` on the installed torch: affected, and fixed by apply()."""
 
+import os
 import subprocess
 import sys
+import tempfile
 import unittest
+from pathlib import Path
 
 import expecttest
 import torch
@@ -30,6 +33,24 @@ affected: yes
 fixed by backport.apply(): yes
 backport: applied: torch <torch>, torch.distributed.checkpoint.state_dict._verify_options wrapped (backport <version>)
 """)
+
+    def test_no_torch_warnings_without_numpy(self) -> None:
+        # A fresh install has no numpy, and torch warns about it at import.
+        with tempfile.TemporaryDirectory() as shadow:
+            (Path(shadow) / "numpy").mkdir()
+            (Path(shadow) / "numpy" / "__init__.py").write_text(
+                "raise ModuleNotFoundError(\"No module named 'numpy'\")\n"
+            )
+            path = os.pathsep.join(filter(None, [shadow, os.environ.get("PYTHONPATH")]))
+            proc = subprocess.run(
+                [sys.executable, "-m", "backport"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env={**os.environ, "PYTHONPATH": path},
+            )
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(proc.stderr, "")
 
 
 if __name__ == "__main__":
