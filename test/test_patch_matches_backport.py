@@ -1,8 +1,9 @@
-"""The upstream patch and the backport implement one logic.
+"""The upstream patch series and the backport implement one logic.
 
-The helpers the patch adds to state_dict.py must be the backport's helpers,
-line for line (comments included), and the patch's new ``_verify_options`` must
-do what the backport's wrapper does, statement for statement.
+The helpers the series adds to state_dict.py must be the backport's helpers,
+line for line (comments included), and the statements it adds to
+``_verify_options`` must be the ones the backport's wrapper runs around the
+original, in the same order.
 """
 
 import ast
@@ -15,25 +16,50 @@ from pathlib import Path
 import backport
 
 
-PATCH = next((Path(__file__).parent.parent / "torch_patch").glob("*.patch"))
-HELPERS = [
-    "_fsdp_reshard_needed",
-    "_reshard_fsdp_modules",
-    "_find_unmapped_optim_param",
-    "_verify_optim_params_owned",
-]
+PATCHES = sorted((Path(__file__).parent.parent / "torch_patch").glob("0*.patch"))
+TARGET = "torch/distributed/checkpoint/state_dict.py"
+# The helper each patch adds: 0001 the fix, 0002 the error for foreign params.
+HELPERS = {"0001": "_reshard_fsdp2_modules", "0002": "_verify_optim_params_owned"}
 
 
-def _added_state_dict_source() -> str:
-    """The lines the patch adds to state_dict.py, as one source text."""
-    diff = PATCH.read_text().split("diff --git a/torch/distributed/checkpoint/state_dict.py")
-    diff = diff[1].split("\ndiff --git ")[0]
-    added = [line[1:] for line in diff.splitlines() if line.startswith("+")]
-    return "\n".join(line for line in added if not line.startswith("++"))
+def _hunks(patch: Path) -> list[tuple[str, list[str]]]:
+    """(function git names in the header, diff lines) of each state_dict.py hunk."""
+    diff = patch.read_text().split(f"diff --git a/{TARGET}")[1].split("\ndiff --git ")[0]
+    parts = re.split(r"^@@ [^@]+ @@ ?(.*)$", diff, flags=re.MULTILINE)
+    return [(header, body.splitlines()) for header, body in zip(parts[1::2], parts[2::2])]
+
+
+def _function_name(line: str) -> str | None:
+    match = re.match(r"def (\w+)\(", line)
+    return match.group(1) if match else None
+
+
+def _added_source(patch: Path) -> str:
+    """The lines ``patch`` adds to state_dict.py; hunks end with a marker line."""
+    hunks = [
+        "\n".join(line[1:] for line in lines if line.startswith("+")) + "\n#hunk end\n"
+        for _, lines in _hunks(patch)
+    ]
+    return "\n".join(hunks)
+
+
+def _added_to_verify_options(patch: Path) -> list[str]:
+    """Blocks of lines ``patch`` adds inside ``_verify_options``, each dedented."""
+    blocks: list[list[str]] = []
+    for header, lines in _hunks(patch):
+        function, previous = _function_name(header), ""
+        for line in lines:
+            function = _function_name(line[1:]) or function
+            if line.startswith("+") and function == "_verify_options":
+                if not previous.startswith("+"):
+                    blocks.append([])
+                blocks[-1].append(line[1:])
+            previous = line
+    return [textwrap.dedent("\n".join(block)) for block in blocks]
 
 
 def _function_source(source: str, name: str) -> str:
-    match = re.search(rf"^def {name}\(.*?(?=^def |\Z)", source, re.MULTILINE | re.DOTALL)
+    match = re.search(rf"^def {name}\(.*?(?=^def |^#hunk end|\Z)", source, re.MULTILINE | re.DOTALL)
     if match is None:
         raise AssertionError(f"the patch does not add {name}")
     return match.group(0).rstrip() + "\n"
@@ -54,37 +80,48 @@ def _without_local_imports(source: str) -> str:
     return "\n".join(kept) + "\n"
 
 
-def _body_statements(func_source: str, rename: dict[str, str]) -> list[str]:
-    func = ast.parse(textwrap.dedent(func_source)).body[0]
-    body = func.body
-    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]  # the docstring
-    dumped = [ast.dump(stmt) for stmt in body]
-    for old, new in rename.items():
-        dumped = [d.replace(f"'{old}'", f"'{new}'") for d in dumped]
-    return dumped
+def _statements(source: str) -> list[str]:
+    return [ast.dump(stmt) for stmt in ast.parse(source).body]
+
+
+def _wrapper_statements() -> list[str]:
+    """What the wrapper runs besides calling the original and returning its info."""
+    wrapper = ast.parse(textwrap.dedent(inspect.getsource(backport._make_wrapper)))
+    inner = next(
+        node for node in ast.walk(wrapper)
+        if isinstance(node, ast.FunctionDef) and node.name == "_verify_options"
+    )
+    kept = [
+        stmt for stmt in inner.body
+        if not isinstance(stmt, (ast.Return, ast.Assign))  # info = original(...)
+    ]
+    # state_dict.py has the locals that the wrapper reads from the info.
+    source = "\n".join(ast.unparse(stmt) for stmt in kept)
+    source = source.replace("info.fsdp_modules", "fsdp_modules")
+    source = source.replace("info.fqn_param_mapping", "fqn_param_mapping")
+    return _statements(source)
 
 
 class PatchMatchesBackportTest(unittest.TestCase):
+    def test_series(self) -> None:
+        self.assertEqual([patch.name[:4] for patch in PATCHES], list(HELPERS))
+
     def test_helpers_are_identical(self) -> None:
-        added = _added_state_dict_source()
-        for name in HELPERS:
-            with self.subTest(helper=name):
+        for patch in PATCHES:
+            name = HELPERS[patch.name[:4]]
+            with self.subTest(patch=patch.name, helper=name):
                 ours = _without_local_imports(inspect.getsource(getattr(backport, name)))
-                self.assertEqual(_function_source(added, name), ours)
+                self.assertEqual(_function_source(_added_source(patch), name), ours)
 
     def test_verify_options_matches_the_wrapper(self) -> None:
-        added = _added_state_dict_source()
-        patched = _body_statements(
-            _function_source(added, "_verify_options"), {"_verify_options_impl": "original"}
-        )
-        wrapper = inspect.getsource(backport._make_wrapper)
-        inner = re.search(r"    def _verify_options\(.*?(?=\n    setattr)", wrapper, re.DOTALL)
-        ours = _body_statements(inner.group(0), {"verify_options": "original"})
-        self.assertEqual(patched, ours)
+        patched = [
+            stmt for patch in PATCHES for block in _added_to_verify_options(patch)
+            for stmt in _statements(block)
+        ]
+        self.assertEqual(patched, _wrapper_statements())
 
     def test_patch_marks_the_fix_the_backport_detects(self) -> None:
-        self.assertIn(f"+def {backport._FIX_ARTIFACT}(", PATCH.read_text())
+        self.assertIn(f"+def {backport._FIX_ARTIFACT}(", PATCHES[0].read_text())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""torch_patch/prove.py on the installed torch: the upstream test fails unpatched, passes patched."""
+"""torch_patch/prove.py on the installed torch: each stage of the series fails unpatched, passes patched."""
 
 import os
 import subprocess
@@ -11,9 +11,6 @@ import torch
 
 
 PROVE = Path(__file__).parent.parent / "torch_patch" / "prove.py"
-# Releases before 2.11 spell the untouched signature lines with Optional[...],
-# so git apply needs one context line less there.
-NEEDS_REDUCED_CONTEXT = torch.__version__ < "2.11"
 
 
 class TorchPatchTest(expecttest.TestCase):
@@ -26,25 +23,22 @@ class TorchPatchTest(expecttest.TestCase):
         )
         out = proc.stdout.replace(str(torch.__version__), "<torch>")
         self.assertEqual(proc.returncode, 0, out + proc.stderr)
-        if NEEDS_REDUCED_CONTEXT:
-            self.assertExpectedInline(out, """\
-torch <torch>: 0001-DSD-Reshard-FSDP2-modules-that-an-eval-forward-left-unsharded.patch
-git apply to the installed torch/distributed/checkpoint/state_dict.py: with -C2
-upstream test test/distributed/checkpoint/test_state_dict_after_eval_forward.py:
-  torch as installed: failed (4 tests, FAILED (errors=4))
-  patched state_dict.py: passed (4 tests, OK)
-backport.status() on the patched torch: not needed: torch <torch> already contains the fix; remove the backport
-result: the patch fixes torch <torch>
-""")
-        else:
-            self.assertExpectedInline(out, """\
-torch <torch>: 0001-DSD-Reshard-FSDP2-modules-that-an-eval-forward-left-unsharded.patch
-git apply to the installed torch/distributed/checkpoint/state_dict.py: clean
-upstream test test/distributed/checkpoint/test_state_dict_after_eval_forward.py:
-  torch as installed: failed (4 tests, FAILED (errors=4))
-  patched state_dict.py: passed (4 tests, OK)
-backport.status() on the patched torch: not needed: torch <torch> already contains the fix; remove the backport
-result: the patch fixes torch <torch>
+        # The series applies without fuzz to every tested release.
+        self.assertExpectedInline(out, """\
+torch <torch> + 0001:
+  git apply 0001-DSD-Reshard-FSDP2-parameters-before-mapping-them-to-.patch: clean
+  upstream test test/distributed/checkpoint/fsdp/test_fsdp_dsd_after_forward.py:
+    torch as installed: failed (3 tests, FAILED (errors=3))
+    patched state_dict.py: passed (3 tests, OK)
+  backport.status() on the patched torch: not needed: torch <torch> already contains the fix; remove the backport
+torch <torch> + 0001 + 0002:
+  git apply 0001-DSD-Reshard-FSDP2-parameters-before-mapping-them-to-.patch: clean
+  git apply 0002-DSD-Name-the-optimizer-parameter-that-the-model-does.patch: clean
+  upstream test test/distributed/checkpoint/fsdp/test_fsdp_dsd_after_forward.py:
+    torch as installed: failed (4 tests, FAILED (errors=4))
+    patched state_dict.py: passed (4 tests, OK)
+  backport.status() on the patched torch: not needed: torch <torch> already contains the fix; remove the backport
+result: the series fixes torch <torch>
 """)
 
 

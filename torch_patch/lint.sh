@@ -15,7 +15,7 @@ mkdir -p "$tree/$(dirname "$target")"
 cp "$site/$target" "$tree/$target"
 cd "$tree"
 git init -q && git add -A && git -c user.name=lint -c user.email=lint@localhost commit -qm base
-git apply -C2 "$here"/*.patch
+for patch in "$here"/0*.patch; do git apply "$patch"; done
 git add -A
 files=$(git diff --cached --name-only)
 # "file:line" for every line the patch adds.

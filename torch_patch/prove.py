@@ -1,16 +1,17 @@
-"""Prove the upstream patch on the installed torch's real sources.
+"""Prove the upstream patch series on the installed torch's real sources.
 
     python torch_patch/prove.py
 
-Copies the installed ``torch/distributed/checkpoint/state_dict.py`` into a
-scratch tree, applies the patch there with ``git apply`` (which also creates
-the patch's upstream test file), then runs that upstream test twice:
+For each prefix of the series (0001, then 0001 + 0002, ...): copies the
+installed ``torch/distributed/checkpoint/state_dict.py`` into a scratch tree,
+applies the patches there with ``git apply`` (which also creates the upstream
+test file they carry), then runs that upstream test twice:
 
 1. against torch as installed: it must fail;
 2. with the patched ``state_dict.py`` loaded in place of the installed one,
    under its real module name, in every process the test starts: it must pass.
 
-The installed torch is never modified. Exits 0 only if both hold.
+The installed torch is never modified. Exits 0 only if both hold at every stage.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-PATCH = next(HERE.glob("*.patch"))
+PATCHES = sorted(HERE.glob("0*.patch"))
 TARGET = "torch/distributed/checkpoint/state_dict.py"
 MODULE = "torch.distributed.checkpoint.state_dict"
 # The patch carries git's default three context lines. Releases whose
@@ -62,19 +63,19 @@ def _installed_state_dict() -> tuple[str, Path]:
     return str(torch.__version__), Path(torch.__file__).parent.parent / TARGET
 
 
-def _apply(tree: Path) -> str:
-    """Apply the patch inside ``tree``; return how it applied."""
+def _apply(tree: Path, patch: Path) -> str:
+    """Apply ``patch`` inside ``tree``; return how it applied."""
     for extra in ([], CONTEXT_FALLBACK):
         check = subprocess.run(
-            ["git", "apply", "--check", *extra, str(PATCH)],
+            ["git", "apply", "--check", *extra, str(patch)],
             cwd=tree, capture_output=True, text=True,
         )
         if check.returncode == 0:
             subprocess.run(
-                ["git", "apply", *extra, str(PATCH)], cwd=tree, check=True, capture_output=True
+                ["git", "apply", *extra, str(patch)], cwd=tree, check=True, capture_output=True
             )
             return "clean" if not extra else f"with {' '.join(extra)}"
-    raise SystemExit(f"git apply --check failed:\n{check.stderr}")
+    raise SystemExit(f"git apply --check {patch.name} failed:\n{check.stderr}")
 
 
 class TestRun(NamedTuple):
@@ -96,7 +97,7 @@ def _run_test(test_file: Path, env: dict[str, str], log: Path, test_args) -> Tes
     with log.open("w") as out:
         proc = subprocess.run(
             [sys.executable, str(test_file), *test_args],
-            cwd=test_file.parents[3], env=env, stdout=out, stderr=subprocess.STDOUT,
+            cwd=log.parent / "tree", env=env, stdout=out, stderr=subprocess.STDOUT,
         )
     text = log.read_text()
     ran = re.findall(r"^Ran (\d+) tests?", text, re.MULTILINE)
@@ -106,18 +107,14 @@ def _run_test(test_file: Path, env: dict[str, str], log: Path, test_args) -> Tes
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--keep", action="store_true", help="keep the scratch tree")
-    parser.add_argument("test_args", nargs="*", help="passed to the upstream test")
-    args = parser.parse_args(argv)
-
+def _prove(patches: list[Path], test_args: list[str], keep: bool) -> bool:
+    """Apply ``patches`` to a copy of the installed file; run their test both ways."""
     version, installed = _installed_state_dict()
     scratch = Path(tempfile.mkdtemp(prefix="torch_patch."))
     tree = scratch / "tree"
     (tree / TARGET).parent.mkdir(parents=True)
     (tree / TARGET).write_bytes(installed.read_bytes())
-    applied = _apply(tree)
+    applied = {patch.name: _apply(tree, patch) for patch in patches}
     test_file = next((tree / "test").rglob("test_*.py"))
     site = scratch / "site"
     site.mkdir()
@@ -148,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     if Path(probe[0]) != tree / TARGET:
         raise SystemExit(f"patched module did not load: {probe[0]}")
 
-    unpatched = _run_test(test_file, base_env, scratch / "unpatched.log", args.test_args)
-    patched = _run_test(test_file, patched_env, scratch / "patched.log", args.test_args)
+    unpatched = _run_test(test_file, base_env, scratch / "unpatched.log", test_args)
+    patched = _run_test(test_file, patched_env, scratch / "patched.log", test_args)
     # Both runs must reach unittest's summary over the same tests, so that an
     # import error or a crash before the first test never counts as the bug.
     proven = (
@@ -159,18 +156,32 @@ def main(argv: list[str] | None = None) -> int:
         and patched.returncode == 0
         and patched.summary.startswith("OK")
     )
-    print(f"torch {version}: {PATCH.name}")
-    print(f"git apply to the installed {TARGET}: {applied}")
-    print(f"upstream test {test_file.relative_to(tree)}:")
-    print(f"  torch as installed: {unpatched.describe()}")
-    print(f"  patched state_dict.py: {patched.describe()}")
-    print(f"backport.status() on the patched torch: {probe[1]}")
-    print(f"result: {'the patch fixes' if proven else 'NOT PROVEN on'} torch {version}")
+    print(f"torch {version} + {' + '.join(patch.name[:4] for patch in patches)}:")
+    for name, how in applied.items():
+        print(f"  git apply {name}: {how}")
+    print(f"  upstream test {test_file.relative_to(tree)}:")
+    print(f"    torch as installed: {unpatched.describe()}")
+    print(f"    patched state_dict.py: {patched.describe()}")
+    print(f"  backport.status() on the patched torch: {probe[1]}")
     if not proven:
         for name, run in (("torch as installed", unpatched), ("patched", patched)):
             print(f"--- last lines of the {name} run ({run.log.name}):\n{run.tail()}")
-    if not proven or args.keep:
-        print(f"logs and scratch tree: {scratch}")
+    if not proven or keep:
+        print(f"  logs and scratch tree: {scratch}")
+    return proven
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keep", action="store_true", help="keep the scratch trees")
+    parser.add_argument("test_args", nargs="*", help="passed to the upstream test")
+    args = parser.parse_args(argv)
+
+    version, _ = _installed_state_dict()
+    proven = all(
+        [_prove(PATCHES[:stage], args.test_args, args.keep) for stage in range(1, len(PATCHES) + 1)]
+    )
+    print(f"result: {'the series fixes' if proven else 'NOT PROVEN on'} torch {version}")
     return 0 if proven else 1
 
 
