@@ -93,23 +93,30 @@ def _reshard_fsdp2_modules(model: nn.Module) -> None:
     # an explicit unshard() leaves groups with reshard_after_forward=False or an
     # int unsharded while the optimizers hold the sharded parameters. reshard()
     # is not recursive, issues no collective and is a no-op on a sharded group.
-    modules = [(model, False)]
-    while modules:
-        module, in_fsdp2_module = modules.pop()
+    outside, inside = [model], []
+    while outside:
+        module = outside.pop()
         if isinstance(module, FSDPModule):
-            module.reshard()
-            in_fsdp2_module = True
+            inside.append(module)
         elif isinstance(module, FSDP):
             # FSDP1 keeps its FlatParameters registered, and its state_dict
             # hooks issue collectives.
             continue
-        elif not in_fsdp2_module and module._state_dict_pre_hooks:
+        elif module._state_dict_pre_hooks:
             # Parameters of a module outside every FSDPModule in ``model`` can
             # belong to the group of an FSDPModule above ``model``, which only
             # the state_dict pre-hook FSDP2 registers on the module reshards.
             module.state_dict(keep_vars=True)
+        else:
+            outside.extend(module.children())
+    while inside:
+        module = inside.pop()
+        if module is None:
             continue
-        modules.extend((child, in_fsdp2_module) for child in module.children())
+        if isinstance(module, FSDPModule):
+            module.reshard()
+        # _modules rather than children(): this loop visits every module.
+        inside.extend(module._modules.values())
 
 
 def _verify_optim_params_owned(

@@ -31,6 +31,7 @@ FABRIC_LOAD = "set_model_per_module"
 SETUPS: dict[str, Case] = {
     "frozen_root_group": Case(frozen=True, tail=True),
     "frozen_root_group_full": Case(frozen=True, tail=True, options=FULL),
+    "tied_weights": Case(tied=True),
     "explicit_unshard": Case(unshard=True),
     "explicit_unshard_full": Case(unshard=True, options=FULL),
     "mixed_precision": Case(mixed_precision=True),
@@ -85,6 +86,9 @@ class EvalStateDictSetupsTest(expecttest.TestCase):
 frozen_root_group: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
 frozen_root_group_full: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
 frozen_root_group_full: set_model, set_state -> RuntimeError: Error(s) in loading state_dict for FSDPTinyLM:
+tied_weights: get_optim -> KeyError: 0
+tied_weights: set_optim, set_state -> KeyError: <DTensor>
+tied_weights: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
 explicit_unshard: get_optim -> KeyError: 0
 explicit_unshard: set_optim, set_state -> KeyError: <DTensor>
 explicit_unshard: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
@@ -105,6 +109,7 @@ compile: set_optim, set_state -> KeyError: <DTensor>""")
         self.assertExpectedInline(result["after"], """\
 frozen_root_group: all 7 calls ok
 frozen_root_group_full: all 7 calls ok
+tied_weights: all 7 calls ok
 explicit_unshard: all 7 calls ok
 explicit_unshard_full: all 7 calls ok
 mixed_precision: all 7 calls ok
