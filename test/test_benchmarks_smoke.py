@@ -18,29 +18,39 @@ class BenchmarkSmokeTest(expecttest.TestCase):
         with tempfile.TemporaryDirectory() as out:
             proc = subprocess.run(
                 [sys.executable, str(RUN), "--sizes", "3", "--ranks", "1", "--repeats", "2",
-                 "--eval-repeats", "1", "--checkpoint-repeats", "1", "--out", out],
+                 "--eval-repeats", "1", "--checkpoint-repeats", "1", "--llm-dim", "16",
+                 "--llm-blocks", "2", "--llm-ranks", "1", "--out", out],
                 capture_output=True, text=True, timeout=600,
             )
             self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
             files = sorted(p.name for p in Path(out).iterdir())
             report = json.loads((Path(out) / "bench.json").read_text())
-        result = report["results"]["ranks=1"]["N=4"]
+        layers = report["results"]["ranks=1"]["N=4"]
+        lm = report["results"]["ranks=1"]["lm"]
         self.assertExpectedInline(
             "\n".join(
-                [", ".join(files), ", ".join(sorted(report)), ", ".join(sorted(result)),
-                 ", ".join(sorted(result["overhead_ratio"])),
-                 ", ".join(sorted(result["overhead_ratio"]["get_optimizer_state_dict"])),
-                 ", ".join(sorted(result["after_eval"]))]
+                [", ".join(files), ", ".join(sorted(report)), ", ".join(sorted(layers)),
+                 ", ".join(sorted(layers["mechanism_us_per_fsdp_module"])),
+                 ", ".join(sorted(layers["calls"])),
+                 ", ".join(sorted(layers["calls"]["get_optimizer_state_dict"]["ratio"])),
+                 ", ".join(sorted(layers["after_eval"])),
+                 ", ".join(sorted(lm)), ", ".join(sorted(lm["after_eval"])),
+                 f"layers: {layers['fsdp_modules']} FSDP modules, {layers['modules']} modules",
+                 f"lm: {lm['fsdp_modules']} FSDP modules, {lm['modules']} modules"]
             ),
             """\
 bench.json, bench.md, overhead.png
 command, machine, results, status, torch
-after_eval, always_reshard_us_per_module, calls, checkpoint, fsdp_modules, noop_fraction_of_get_optimizer_state_dict, noop_us, noop_us_per_module, optim_params, overhead_ratio
-checkpoint, get_optimizer_state_dict, get_state_dict, set_optimizer_state_dict
+after_eval, calls, fix_fraction_of_get_optimizer_state_dict, fix_us, fsdp_modules, mechanism_us_per_fsdp_module, modules, params
+fix, optim_param_lookup, reshard_fsdp_modules, state_dict
+get_optimizer_state_dict, get_state_dict, set_optimizer_state_dict
 median, p25, p75
-get_optimizer_state_dict_ms, get_optimizer_state_dict_ratio_to_noop_path, next_forward_us_after_reshard, next_forward_us_root_unsharded, reshard_us, reshard_us_per_module""",
+get_optimizer_state_dict_ms, get_optimizer_state_dict_ratio_to_nothing_unsharded, next_forward_us_after_reshard, next_forward_us_root_unsharded, reshard_us
+after_eval, checkpoint, fix_fraction_of_checkpoint, fix_us, fix_us_per_module, fsdp_modules, mechanism_us_per_fsdp_module, modules, params
+checkpoint_ms, checkpoint_ratio_to_nothing_unsharded
+layers: 4 FSDP modules, 6 modules
+lm: 3 FSDP modules, 29 modules""",
         )
-
 
 if __name__ == "__main__":
     unittest.main()
