@@ -93,7 +93,8 @@ def _reshard_fsdp2_modules(model: nn.Module) -> None:
     # an explicit unshard() leaves groups with reshard_after_forward=False or an
     # int unsharded while the optimizers hold the sharded parameters. reshard()
     # is not recursive, issues no collective and is a no-op on a sharded group.
-    outside, inside = [model], []
+    outside: list[nn.Module] = [model]
+    inside: list[nn.Module | None] = []
     while outside:
         module = outside.pop()
         if isinstance(module, FSDPModule):
@@ -110,13 +111,13 @@ def _reshard_fsdp2_modules(model: nn.Module) -> None:
         else:
             outside.extend(module.children())
     while inside:
-        module = inside.pop()
-        if module is None:
+        submodule = inside.pop()
+        if submodule is None:
             continue
-        if isinstance(module, FSDPModule):
-            module.reshard()
+        if isinstance(submodule, FSDPModule):
+            submodule.reshard()
         # _modules rather than children(): this loop visits every module.
-        inside.extend(module._modules.values())
+        inside.extend(submodule._modules.values())
 
 
 def _verify_optim_params_owned(
