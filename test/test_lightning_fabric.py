@@ -1,0 +1,152 @@
+"""Lightning Fabric 2.6.6 (ModelParallelStrategy, FSDP2): save and load after an evaluation, 2 ranks.
+
+Fabric's own ``fabric.save`` / ``fabric.load`` run unchanged. What CPU needs: ``accelerator="cpu"``
+(Fabric then picks gloo), and the ranks come from ``backport._launch.run_ranks`` with torchrun's
+environment, so ``fabric.launch()`` joins that process group instead of spawning processes.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import unittest
+from importlib.util import find_spec
+from pathlib import Path
+
+import expecttest
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+
+import backport
+from _fsdp_cases import (
+    TinyLM,
+    batch,
+    clone,
+    describe_error,
+    differences,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    perturb,
+)
+from backport._launch import run_ranks
+
+
+def _parallelize(model, device_mesh):
+    mesh = device_mesh["data_parallel"]
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    # The root keeps the default reshard_after_forward: unsharded after a forward.
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _setup(save_distributed_checkpoint: bool):
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(
+        parallelize_fn=_parallelize,
+        data_parallel_size=2,
+        tensor_parallel_size=1,
+        save_distributed_checkpoint=save_distributed_checkpoint,
+    )
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup(TinyLM())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    tokens, targets = batch(0)
+    fabric.backward(F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()))
+    optimizer.step()
+    optimizer.zero_grad()
+    return fabric, model, optimizer
+
+
+def _evaluate(model) -> None:
+    model.eval()
+    with torch.no_grad():
+        model(batch(-1)[0])
+    model.train()
+
+
+def _states(model, optimizer) -> dict:
+    # Fabric wraps both; DCP's view of the unwrapped objects is what Fabric saves.
+    return {
+        "model": clone(get_model_state_dict(model.module)),
+        "optim": clone(get_optimizer_state_dict(model.module, optimizer.optimizer)),
+    }
+
+
+def _attempt(call) -> str:
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 - the outcome is what we render
+        return describe_error(err).split("\n")[0]
+    return "ok"
+
+
+def _save_then_load(path: Path, sharded: bool, optimizer_first: bool) -> list[str]:
+    """Train a step, evaluate, fabric.save; then perturb, evaluate, fabric.load."""
+    fabric, model, optimizer = _setup(save_distributed_checkpoint=sharded)
+    saved = _states(model, optimizer)
+    _evaluate(model)
+    state = {"optimizer": optimizer, "model": model} if optimizer_first else {
+        "model": model, "optimizer": optimizer
+    }
+    kind = "sharded" if sharded else "full"
+    order = "{optimizer, model}" if optimizer_first else "{model, optimizer}"
+    lines = [f"{kind} {order}: save after eval -> {_attempt(lambda: fabric.save(path, state))}"]
+    if not path.exists():
+        return lines
+    perturb(model.module, [optimizer.optimizer])
+    _evaluate(model)
+    outcome = _attempt(lambda: fabric.load(path, {"model": model, "optimizer": optimizer}))
+    if outcome == "ok":
+        diffs = differences(_states(model, optimizer), saved)
+        outcome = "restored exactly" if not diffs else f"differs at {diffs[:3]}"
+    lines.append(f"{kind} {order}: load after eval -> {outcome}")
+    return lines
+
+
+def fabric_worker(checkpoint_dir: str) -> dict[str, str]:
+    results = {}
+    for patched in (False, True):
+        if patched:
+            backport.apply()
+        lines = []
+        for sharded in (True, False):
+            for optimizer_first in (True, False):
+                name = f"{'patched' if patched else 'unpatched'}-{sharded}-{optimizer_first}"
+                path = Path(checkpoint_dir) / name
+                lines += _save_then_load(path, sharded, optimizer_first)
+        results["patched" if patched else "unpatched"] = "\n".join(lines)
+    backport.revert()
+    return results
+
+
+@unittest.skipUnless(find_spec("lightning_fabric"), "needs the test extra (lightning)")
+class LightningFabricTest(expecttest.TestCase):
+    def test_save_and_load_after_evaluation(self) -> None:
+        with tempfile.TemporaryDirectory() as checkpoint_dir:
+            results = run_ranks(2, fabric_worker, checkpoint_dir)
+        self.assertEqual(results[0], results[1])
+        self.assertExpectedInline(results[0]["unpatched"], """\
+sharded {optimizer, model}: save after eval -> KeyError: 0
+sharded {model, optimizer}: save after eval -> ok
+sharded {model, optimizer}: load after eval -> restored exactly
+full {optimizer, model}: save after eval -> KeyError: 0
+full {model, optimizer}: save after eval -> ok
+full {model, optimizer}: load after eval -> RuntimeError: Error(s) in loading state_dict for Embedding:""")
+        self.assertExpectedInline(results[0]["patched"], """\
+sharded {optimizer, model}: save after eval -> ok
+sharded {optimizer, model}: load after eval -> restored exactly
+sharded {model, optimizer}: save after eval -> ok
+sharded {model, optimizer}: load after eval -> restored exactly
+full {optimizer, model}: save after eval -> ok
+full {optimizer, model}: load after eval -> restored exactly
+full {model, optimizer}: save after eval -> ok
+full {model, optimizer}: load after eval -> restored exactly""")
+
+
+if __name__ == "__main__":
+    unittest.main()
