@@ -1,0 +1,173 @@
+"""Lightning Trainer 2.6.6 (ModelParallelStrategy, FSDP2): fit with validation and ModelCheckpoint, then resume.
+
+The Trainer's own checkpointing runs unchanged. What CPU needs: ``accelerator="cpu"`` (gloo), and
+the ranks come from ``backport._launch.run_ranks`` with torchrun's environment, so the Trainer
+joins that process group instead of spawning processes.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import unittest
+from importlib.util import find_spec
+from pathlib import Path
+
+import expecttest
+import torch
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.fsdp import fully_shard
+
+import backport
+from _fsdp_cases import (
+    TinyLM,
+    batch,
+    clone,
+    describe_error,
+    differences,
+    get_optimizer_state_dict,
+)
+from backport._launch import run_ranks
+
+
+# What ModelParallelStrategy.optimizer_state asks DCP for with distributed checkpoints.
+SAVE_OPTIONS = StateDictOptions(cpu_offload=True)
+
+
+def _lightning_classes():
+    import pytorch_lightning as pl
+
+    class LitTinyLM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = TinyLM()
+
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.blocks:
+                fully_shard(block, mesh=mesh)
+            # The root keeps the default reshard_after_forward: unsharded after a forward.
+            fully_shard(self.model, mesh=mesh)
+
+        def _loss(self, tokens, targets):
+            return F.cross_entropy(self.model(tokens).flatten(0, 1), targets.flatten())
+
+        def training_step(self, batch_, batch_idx):
+            return self._loss(*batch_)
+
+        def validation_step(self, batch_, batch_idx):
+            self._loss(*batch_)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    class Probe(pl.Callback):
+        """Records what DCP sees right after validation, before ModelCheckpoint saves."""
+
+        def __init__(self) -> None:
+            self.events: list[str] = []
+            self.saved_optim = None
+            self.resumed_optim = None
+
+        def _optim_state(self, trainer, pl_module):
+            optimizer = trainer.optimizers[0]
+            return get_optimizer_state_dict(pl_module, optimizer, options=SAVE_OPTIONS)
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            try:
+                self._optim_state(trainer, pl_module)
+            except Exception as err:  # noqa: BLE001 - the outcome is what we render
+                outcome = describe_error(err).split("\n")[0]
+            else:
+                outcome = "ok"
+            self.events.append(f"get_optimizer_state_dict after validation -> {outcome}")
+
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+            self.saved_optim = clone(checkpoint["optimizer_states"][0])
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            if trainer.ckpt_path:
+                self.resumed_optim = clone(self._optim_state(trainer, pl_module))
+
+    return pl, LitTinyLM, Probe
+
+
+def _trainer(pl, checkpoint_dir: Path, max_steps: int, callbacks):
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_steps=max_steps,
+        val_check_interval=1,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[*callbacks, ModelCheckpoint(dirpath=checkpoint_dir, save_last=True)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=checkpoint_dir,
+    )
+
+
+def _loader():
+    # The same batches on every rank, as in the other tests.
+    return torch.utils.data.DataLoader([batch(step) for step in range(4)], batch_size=None)
+
+
+def trainer_worker(checkpoint_dir: str) -> dict[str, str]:
+    pl, LitTinyLM, Probe = _lightning_classes()
+    results = {}
+    for patched in (False, True):
+        if patched:
+            backport.apply()
+        run_dir = Path(checkpoint_dir) / ("patched" if patched else "unpatched")
+        probe = Probe()
+        lines = []
+        try:
+            _trainer(pl, run_dir, 2, [probe]).fit(LitTinyLM(), _loader(), _loader())
+        except Exception as err:  # noqa: BLE001 - the outcome is what we render
+            lines.append(f"fit with validation and ModelCheckpoint -> {describe_error(err)}")
+        else:
+            lines.append("fit with validation and ModelCheckpoint -> ok")
+        lines += sorted(set(probe.events))
+        resume = Probe()
+        try:
+            _trainer(pl, run_dir, 3, [resume]).fit(
+                LitTinyLM(), _loader(), _loader(), ckpt_path=str(run_dir / "last.ckpt")
+            )
+        except Exception as err:  # noqa: BLE001 - the outcome is what we render
+            lines.append(f"resume from last.ckpt -> {describe_error(err)}")
+        else:
+            diffs = differences(resume.resumed_optim, probe.saved_optim)
+            restored = "exactly" if not diffs else f"differs at {diffs[:3]}"
+            lines.append(f"resume from last.ckpt -> optimizer state restored {restored}")
+        results["patched" if patched else "unpatched"] = "\n".join(lines)
+    backport.revert()
+    return results
+
+
+@unittest.skipUnless(find_spec("pytorch_lightning"), "needs the test extra (pytorch-lightning)")
+class LightningTrainerTest(expecttest.TestCase):
+    def test_fit_validate_checkpoint_resume(self) -> None:
+        with tempfile.TemporaryDirectory() as checkpoint_dir:
+            results = run_ranks(2, trainer_worker, checkpoint_dir)
+        self.assertEqual(results[0], results[1])
+        # The Trainer saves the model state first, whose state_dict() hooks
+        # reshard; a bare optimizer state dict at the same moment fails.
+        self.assertExpectedInline(results[0]["unpatched"], """\
+fit with validation and ModelCheckpoint -> ok
+get_optimizer_state_dict after validation -> KeyError: 0
+resume from last.ckpt -> optimizer state restored exactly""")
+        self.assertExpectedInline(results[0]["patched"], """\
+fit with validation and ModelCheckpoint -> ok
+get_optimizer_state_dict after validation -> ok
+resume from last.ckpt -> optimizer state restored exactly""")
+
+
+if __name__ == "__main__":
+    unittest.main()
