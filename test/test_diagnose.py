@@ -50,7 +50,9 @@ backport: applied: torch <torch>, torch.distributed.checkpoint.state_dict._verif
                 env={**os.environ, "PYTHONPATH": path},
             )
         self.assertEqual(proc.returncode, 0, proc.stderr)
-        self.assertEqual(proc.stderr, "")
+        # gloo's own connection log (torch 2.10) may remain; warnings may not.
+        warnings = [line for line in proc.stderr.splitlines() if "Warning" in line]
+        self.assertEqual(warnings, [])
 
 
 if __name__ == "__main__":
