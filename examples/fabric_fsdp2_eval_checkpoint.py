@@ -1,0 +1,139 @@
+"""Lightning Fabric + FSDP2 training that evaluates, then checkpoints and resumes.
+
+    fabric run --devices 2 examples/fabric_fsdp2_eval_checkpoint.py --output-dir /tmp/ckpt
+    torchrun --nproc-per-node 2 examples/fabric_fsdp2_eval_checkpoint.py --cpu   # no GPU
+
+Every ``--eval-every`` steps the model is evaluated under ``torch.no_grad()`` and
+a checkpoint is saved right away with ``fabric.save(path, {"optimizer": ...,
+"model": ...})``. Without the backport that raises ``KeyError`` because the root
+FSDP group stays unsharded after the evaluation; with ``--full-checkpoint``
+(``save_distributed_checkpoint=False``) loading it after an evaluation fails
+with "mixed torch.Tensor and DTensor". At the end the script evaluates once more,
+loads the first checkpoint into the same model and checks that training then
+continues exactly as it did after that checkpoint was taken.
+"""
+
+import backport; backport.apply()  # noqa: E702, I001 - first, before anything checkpoints
+
+import argparse
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+
+
+VOCAB, DIM = 64, 32
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, n_blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def parallelize(model: TinyLM, device_mesh) -> TinyLM:
+    mesh = device_mesh["data_parallel"]
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    # The root keeps the default reshard_after_forward, which leaves it
+    # unsharded after a forward until the next backward.
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (4, 16), generator=gen)
+    return tokens, torch.roll(tokens, 1, dims=1)
+
+
+def train_step(fabric, model, optimizer, step: int) -> float:
+    tokens, targets = batch(step)
+    loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+@torch.no_grad()
+def evaluate(model) -> float:
+    model.eval()
+    tokens, targets = batch(-1)
+    loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).item()
+    model.train()
+    return loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", default="/tmp/fabric_fsdp2_ckpt")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--eval-every", type=int, default=2)
+    parser.add_argument("--full-checkpoint", action="store_true",
+                        help="one consolidated file instead of a distributed checkpoint")
+    parser.add_argument("--cpu", action="store_true", help="run on CPU (gloo)")
+    args = parser.parse_args()
+
+    # On CPU "auto" means one device; take the launcher's process count instead.
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if args.cpu else "auto"
+    strategy = ModelParallelStrategy(
+        parallelize_fn=parallelize,
+        data_parallel_size=devices,
+        tensor_parallel_size=1,
+        save_distributed_checkpoint=not args.full_checkpoint,
+    )
+    fabric = Fabric(accelerator="cpu" if args.cpu else "auto", devices=devices, strategy=strategy)
+    fabric.launch()
+    fabric.print(backport.status())
+    os.makedirs(args.output_dir, exist_ok=True)  # a full checkpoint is a file in it
+    torch.manual_seed(0)
+    model = fabric.setup(TinyLM())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    losses, first = {}, None
+    for step in range(1, args.steps + 1):
+        losses[step] = train_step(fabric, model, optimizer, step)
+        if step % args.eval_every == 0:
+            eval_loss = evaluate(model)
+            path = f"{args.output_dir}/step_{step}"
+            # Optimizer first: the order Fabric's docs leave to the user.
+            fabric.save(path, {"optimizer": optimizer, "model": model, "step": step})
+            fabric.print(f"step {step}: eval loss {eval_loss:.4f}, saved {path}")
+            first = first or path
+
+    # Resume: evaluate (the root is unsharded again), load the first checkpoint
+    # into the trained model and replay the steps that followed it.
+    evaluate(model)
+    state = {"optimizer": optimizer, "model": model, "step": 0}
+    fabric.load(first, state)
+    for step in range(state["step"] + 1, args.steps + 1):
+        loss = train_step(fabric, model, optimizer, step)
+        fabric.print(f"step {step}: resumed loss {loss:.4f} == original: {loss == losses[step]}")
+
+
+if __name__ == "__main__":
+    main()
