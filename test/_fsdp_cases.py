@@ -417,6 +417,15 @@ def reference_losses(case: Case) -> list[float]:
     return losses_after(model, optims)
 
 
+def outcome_of(call: Callable[[], Any]) -> str:
+    """'ok', or the first line of what ``call`` raised."""
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 - the outcome is what we render
+        return describe_error(err).split("\n")[0]
+    return "ok"
+
+
 def run_case(
     case: Case, calls: dict[str, Callable] = CALLS, check_losses: bool = False
 ) -> dict[str, str]:

@@ -13,7 +13,7 @@ import unittest
 import expecttest
 
 import backport
-from _fsdp_cases import clone, describe_error, differences, perturb
+from _fsdp_cases import clone, differences, outcome_of, perturb
 from backport._launch import run_ranks
 
 
@@ -75,14 +75,6 @@ def _evaluate(model, ids) -> None:
     model.train()
 
 
-def _try(fn) -> str:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - the outcome is what we render
-        return describe_error(err).split("\n")[0]
-    return "ok"
-
-
 def _restored(model, optim, ref) -> str:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -98,10 +90,10 @@ def _fsdp_optimizer_files(variant: str, tmp: str) -> list[str]:
     ref = clone(get_optimizer_state_dict(model, optim))
     save_fsdp_optimizer(plugin, accelerator, optim, model, f"{tmp}/before_eval")
     _evaluate(model, ids)
-    saved = _try(lambda: save_fsdp_optimizer(plugin, accelerator, optim, model, f"{tmp}/after_eval"))
+    saved = outcome_of(lambda: save_fsdp_optimizer(plugin, accelerator, optim, model, f"{tmp}/after_eval"))
     perturb(model, [optim])
     _evaluate(model, ids)
-    loaded = _try(
+    loaded = outcome_of(
         lambda: load_fsdp_optimizer(plugin, accelerator, optim, model, f"{tmp}/before_eval")
     )
     lines = [f"save_fsdp_optimizer: {saved}", f"load_fsdp_optimizer: {loaded}"]
@@ -122,12 +114,12 @@ def _dsd_with_accelerate_options(variant: str) -> list[str]:
     ref = clone(get_optimizer_state_dict(model, optim, options=options))
     _evaluate(model, ids)
     got = {}
-    outcome = _try(lambda: got.setdefault("osd", get_optimizer_state_dict(model, optim, options=options)))
+    outcome = outcome_of(lambda: got.setdefault("osd", get_optimizer_state_dict(model, optim, options=options)))
     if outcome == "ok":
         outcome = "equal to the state before eval" if not differences(got["osd"], ref) else "DIFFERS"
     perturb(model, [optim])
     _evaluate(model, ids)
-    loaded = _try(lambda: set_optimizer_state_dict(model, optim, clone(ref), options=options))
+    loaded = outcome_of(lambda: set_optimizer_state_dict(model, optim, clone(ref), options=options))
     lines = [f"get_optimizer_state_dict: {outcome}", f"set_optimizer_state_dict: {loaded}"]
     if loaded == "ok":
         lines[-1] += f", {_restored(model, optim, ref)}"
@@ -141,10 +133,10 @@ def _accelerator_state(variant: str, tmp: str) -> list[str]:
     ref = clone(get_optimizer_state_dict(model, optim))
     accelerator.save_state(f"{tmp}/state_before_eval")
     _evaluate(model, ids)
-    saved = _try(lambda: accelerator.save_state(f"{tmp}/state_after_eval"))
+    saved = outcome_of(lambda: accelerator.save_state(f"{tmp}/state_after_eval"))
     perturb(model, [optim])
     _evaluate(model, ids)
-    loaded = _try(lambda: accelerator.load_state(f"{tmp}/state_before_eval"))
+    loaded = outcome_of(lambda: accelerator.load_state(f"{tmp}/state_before_eval"))
     lines = [f"Accelerator.save_state: {saved}", f"Accelerator.load_state: {loaded}"]
     if loaded == "ok":
         lines[-1] += f", {_restored(model, optim, ref)}"

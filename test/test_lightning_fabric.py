@@ -22,10 +22,10 @@ from _fsdp_cases import (
     TinyLM,
     batch,
     clone,
-    describe_error,
     differences,
     get_model_state_dict,
     get_optimizer_state_dict,
+    outcome_of,
     perturb,
 )
 from backport._launch import run_ranks
@@ -77,14 +77,6 @@ def _states(model, optimizer) -> dict:
     }
 
 
-def _attempt(call) -> str:
-    try:
-        call()
-    except Exception as err:  # noqa: BLE001 - the outcome is what we render
-        return describe_error(err).split("\n")[0]
-    return "ok"
-
-
 def _save_then_load(path: Path, sharded: bool, optimizer_first: bool) -> list[str]:
     """Train a step, evaluate, fabric.save; then perturb, evaluate, fabric.load."""
     fabric, model, optimizer = _setup(save_distributed_checkpoint=sharded)
@@ -95,12 +87,12 @@ def _save_then_load(path: Path, sharded: bool, optimizer_first: bool) -> list[st
     }
     kind = "sharded" if sharded else "full"
     order = "{optimizer, model}" if optimizer_first else "{model, optimizer}"
-    lines = [f"{kind} {order}: save after eval -> {_attempt(lambda: fabric.save(path, state))}"]
+    lines = [f"{kind} {order}: save after eval -> {outcome_of(lambda: fabric.save(path, state))}"]
     if not path.exists():
         return lines
     perturb(model.module, [optimizer.optimizer])
     _evaluate(model)
-    outcome = _attempt(lambda: fabric.load(path, {"model": model, "optimizer": optimizer}))
+    outcome = outcome_of(lambda: fabric.load(path, {"model": model, "optimizer": optimizer}))
     if outcome == "ok":
         diffs = differences(_states(model, optimizer), saved)
         outcome = "restored exactly" if not diffs else f"differs at {diffs[:3]}"

@@ -26,6 +26,7 @@ from _fsdp_cases import (
     describe_error,
     differences,
     get_optimizer_state_dict,
+    outcome_of,
 )
 from backport._launch import run_ranks
 
@@ -75,12 +76,7 @@ def _lightning_classes():
             return get_optimizer_state_dict(pl_module, optimizer, options=SAVE_OPTIONS)
 
         def on_validation_end(self, trainer, pl_module) -> None:
-            try:
-                self._optim_state(trainer, pl_module)
-            except Exception as err:  # noqa: BLE001 - the outcome is what we render
-                outcome = describe_error(err).split("\n")[0]
-            else:
-                outcome = "ok"
+            outcome = outcome_of(lambda: self._optim_state(trainer, pl_module))
             self.events.append(f"get_optimizer_state_dict after validation -> {outcome}")
 
         def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:

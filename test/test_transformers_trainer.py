@@ -1,0 +1,172 @@
+"""transformers Trainer 5.24.0 with FSDP2 (accelerate 1.15.0): evaluate, save, resume, 2 ranks.
+
+The Trainer's own evaluation, checkpointing and ``resume_from_checkpoint`` run unchanged. What CPU
+needs: ``use_cpu=True`` (gloo); accelerate turns FSDP on only for accelerator devices, so a
+Trainer subclass sets the FSDP2 distributed state that accelerate would set on GPUs right after
+the Trainer builds its Accelerator; the ranks come from ``backport._launch.run_ranks``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import unittest
+from importlib.util import find_spec
+from pathlib import Path
+
+import expecttest
+
+import backport
+from _fsdp_cases import clone, describe_error, differences, get_optimizer_state_dict, outcome_of
+from backport._launch import run_ranks
+
+
+VOCAB = 64
+
+
+def _classes():
+    import torch
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from transformers import Trainer, TrainerCallback
+
+    class CPUFSDPTrainer(Trainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            # What accelerate sets on an accelerator device with this plugin.
+            PartialState().distributed_type = DistributedType.FSDP
+            self.accelerator.state.distributed_type = DistributedType.FSDP
+            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+                **self.args.fsdp_plugin_args
+            )
+            self.is_fsdp_enabled = True
+
+    class Probe(TrainerCallback):
+        """What DCP sees right after each evaluation, and the optimizer at each save."""
+
+        def __init__(self) -> None:
+            self.trainer = None
+            self.events: set[str] = set()
+            self.saved_optim = None
+
+        def _optim_state(self):
+            return get_optimizer_state_dict(self.trainer.model_wrapped, self.trainer.optimizer)
+
+        def on_evaluate(self, args, state, control, **kwargs) -> None:
+            outcome = outcome_of(self._optim_state)
+            self.events.add(f"get_optimizer_state_dict after evaluation -> {outcome}")
+
+        def on_save(self, args, state, control, **kwargs) -> None:
+            self.saved_optim = clone(self._optim_state())
+
+    class Dataset(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, idx: int):
+            ids = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(idx))
+            return {"input_ids": ids, "labels": ids}
+
+    return CPUFSDPTrainer, Probe, Dataset
+
+
+def _model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        )
+    )
+
+
+def _args(output_dir: Path, max_steps: int):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        learning_rate=1e-2,
+        report_to=[],
+        disable_tqdm=True,
+        fsdp="full_shard",
+        fsdp_config={
+            "version": 2,
+            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+            "state_dict_type": "SHARDED_STATE_DICT",
+        },
+    )
+
+
+def trainer_worker(output_dir: str) -> dict[str, str]:
+    CPUFSDPTrainer, Probe, Dataset = _classes()
+    results = {}
+    for patched in (False, True):
+        if patched:
+            backport.apply()
+        run_dir = Path(output_dir) / ("patched" if patched else "unpatched")
+        probe = Probe()
+        trainer = CPUFSDPTrainer(
+            model=_model(), args=_args(run_dir, 2), train_dataset=Dataset(),
+            eval_dataset=Dataset(), callbacks=[probe],
+        )
+        probe.trainer = trainer
+        assert trainer.accelerator.is_fsdp2, "accelerate did not take the FSDP2 path"
+        lines = [f"train with evaluation, then save -> {outcome_of(trainer.train)}"]
+        lines += sorted(probe.events)
+        resumed = Probe()
+        trainer = CPUFSDPTrainer(
+            model=_model(), args=_args(run_dir, 3), train_dataset=Dataset(),
+            eval_dataset=Dataset(), callbacks=[resumed],
+        )
+        resumed.trainer = trainer
+        restored = {}
+
+        def _capture_after_load(*_args, **_kwargs):
+            restored["optim"] = clone(resumed._optim_state())
+
+        resumed.on_train_begin = _capture_after_load
+        try:
+            trainer.train(resume_from_checkpoint=str(run_dir / "checkpoint-2"))
+        except Exception as err:  # noqa: BLE001 - the outcome is what we render
+            lines.append(f"resume_from_checkpoint -> {describe_error(err).splitlines()[0]}")
+        else:
+            diffs = differences(restored["optim"], probe.saved_optim)
+            lines.append(
+                "resume_from_checkpoint -> optimizer state restored "
+                + ("exactly" if not diffs else f"differs at {diffs[:3]}")
+            )
+        results["patched" if patched else "unpatched"] = "\n".join(lines)
+    backport.revert()
+    return results
+
+
+@unittest.skipUnless(
+    find_spec("transformers") and find_spec("accelerate"), "needs the test extra (transformers)"
+)
+class TransformersTrainerTest(expecttest.TestCase):
+    def test_evaluate_save_resume(self) -> None:
+        with tempfile.TemporaryDirectory() as output_dir:
+            results = run_ranks(2, trainer_worker, output_dir)
+        self.assertEqual(results[0], results[1])
+        self.assertExpectedInline(results[0]["unpatched"], """\
+train with evaluation, then save -> ok
+get_optimizer_state_dict after evaluation -> KeyError: 15
+resume_from_checkpoint -> optimizer state restored exactly""")
+        self.assertExpectedInline(results[0]["patched"], """\
+train with evaluation, then save -> ok
+get_optimizer_state_dict after evaluation -> ok
+resume_from_checkpoint -> optimizer state restored exactly""")
+
+
+if __name__ == "__main__":
+    unittest.main()
