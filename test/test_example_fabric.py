@@ -15,7 +15,9 @@ import expecttest
 EXAMPLE = Path(__file__).parent.parent / "examples" / "fabric_fsdp2_eval_checkpoint.py"
 
 
-@unittest.skipUnless(find_spec("lightning_fabric"), "needs the test extra (pytorch-lightning)")
+@unittest.skipUnless(
+    find_spec("lightning_fabric"), "needs the frameworks extra (nox: torch 2.13.0)"
+)
 class FabricExampleTest(expecttest.TestCase):
     def _run(self, *extra: str) -> str:
         with tempfile.TemporaryDirectory() as tmp:

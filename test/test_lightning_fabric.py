@@ -116,7 +116,9 @@ def fabric_worker(checkpoint_dir: str) -> dict[str, str]:
     return results
 
 
-@unittest.skipUnless(find_spec("lightning_fabric"), "needs the test extra (lightning)")
+@unittest.skipUnless(
+    find_spec("lightning_fabric"), "needs the frameworks extra (nox: torch 2.13.0)"
+)
 class LightningFabricTest(expecttest.TestCase):
     def test_save_and_load_after_evaluation(self) -> None:
         with tempfile.TemporaryDirectory() as checkpoint_dir:

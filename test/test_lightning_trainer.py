@@ -147,7 +147,9 @@ def trainer_worker(checkpoint_dir: str) -> dict[str, str]:
     return results
 
 
-@unittest.skipUnless(find_spec("pytorch_lightning"), "needs the test extra (pytorch-lightning)")
+@unittest.skipUnless(
+    find_spec("pytorch_lightning"), "needs the frameworks extra (nox: torch 2.13.0)"
+)
 class LightningTrainerTest(expecttest.TestCase):
     def test_fit_validate_checkpoint_resume(self) -> None:
         with tempfile.TemporaryDirectory() as checkpoint_dir:

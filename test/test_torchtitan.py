@@ -1,0 +1,117 @@
+"""torchtitan 0.2.2 CheckpointManager: save and load after a validation forward, 2 ranks.
+
+torchtitan's own ``CheckpointManager``, ``ModelWrapper`` and ``OptimizersContainer`` (which calls
+``get_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True``) run unchanged. What CPU
+needs: the device mesh is built with ``init_device_mesh("cpu", ...)`` and the model sharded with
+plain ``fully_shard`` instead of torchtitan's ``parallelize`` functions (which expect GPUs); the
+ranks come from ``backport._launch.run_ranks``. ``import torchtitan`` needs ``triton`` installed.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import unittest
+from importlib.util import find_spec
+from pathlib import Path
+
+import expecttest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import backport
+from _fsdp_cases import TinyLM, batch, clone, differences, outcome_of, perturb
+from backport._launch import run_ranks
+
+
+def _setup(folder: Path):
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.config import Checkpoint
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    # The root keeps the default reshard_after_forward: unsharded after a forward.
+    fully_shard(model, mesh=mesh)
+    optimizers = OptimizersContainer([model], torch.optim.AdamW, {"lr": 1e-2})
+    lr_schedulers = LRSchedulersContainer(optimizers, lambda step: 1.0)
+    tokens, targets = batch(0)
+    F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+    optimizers.step()
+    lr_schedulers.step()
+    optimizers.zero_grad()
+    manager = CheckpointManager(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=lr_schedulers,
+        states={},
+        checkpoint_config=Checkpoint(enable=True, folder="checkpoint", interval=1),
+        sd_adapter=None,
+        base_folder=str(folder),
+    )
+    return model, optimizers, manager
+
+
+def _validate(model) -> None:
+    model.eval()
+    with torch.no_grad():
+        model(batch(-1)[0])
+    model.train()
+
+
+def titan_worker(folder: str) -> dict[str, str]:
+    results = {}
+    for patched in (False, True):
+        if patched:
+            backport.apply()
+        run_dir = Path(folder) / ("patched" if patched else "unpatched")
+        model, optimizers, manager = _setup(run_dir)
+        saved = clone(optimizers.state_dict())
+        _validate(model)
+        lines = [f"save after validation -> {outcome_of(lambda: manager.save(curr_step=1))}"]
+        if not (run_dir / "checkpoint" / "step-1").exists():
+            # Stock torch could not save: reshard through FSDP2's state_dict hooks
+            # and save again, so the load below still has a checkpoint to read.
+            model.state_dict()
+            manager.save(curr_step=1)
+        perturb(model, list(optimizers))
+        _validate(model)
+        outcome = outcome_of(lambda: manager.load(step=1))
+        if outcome == "ok":
+            diffs = differences(optimizers.state_dict(), saved)
+            outcome = "optimizer state restored " + (
+                "exactly" if not diffs else f"differs at {diffs[:3]}"
+            )
+        lines.append(f"load after validation -> {outcome}")
+        manager.close()
+        results["patched" if patched else "unpatched"] = "\n".join(lines)
+    backport.revert()
+    return results
+
+
+@unittest.skipUnless(
+    find_spec("torchtitan") and find_spec("triton"),
+    "needs the frameworks extra (nox: torch 2.13.0)",
+)
+class TorchtitanTest(expecttest.TestCase):
+    def test_save_and_load_after_validation(self) -> None:
+        with tempfile.TemporaryDirectory() as folder:
+            results = run_ranks(2, titan_worker, folder)
+        self.assertEqual(results[0], results[1])
+        self.assertExpectedInline(results[0]["unpatched"], """\
+save after validation -> KeyError: 0
+load after validation -> KeyError: 0""")
+        self.assertExpectedInline(results[0]["patched"], """\
+save after validation -> ok
+load after validation -> optimizer state restored exactly""")
+
+
+if __name__ == "__main__":
+    unittest.main()
