@@ -87,8 +87,10 @@ def _save_then_load(path: Path, sharded: bool, optimizer_first: bool) -> list[st
     }
     kind = "sharded" if sharded else "full"
     order = "{optimizer, model}" if optimizer_first else "{model, optimizer}"
-    lines = [f"{kind} {order}: save after eval -> {outcome_of(lambda: fabric.save(path, state))}"]
-    if not path.exists():
+    saved_outcome = outcome_of(lambda: fabric.save(path, state))
+    lines = [f"{kind} {order}: save after eval -> {saved_outcome}"]
+    # The outcome, shared by every rank, decides; files a failed save left do not.
+    if saved_outcome != "ok":
         return lines
     perturb(model.module, [optimizer.optimizer])
     _evaluate(model)

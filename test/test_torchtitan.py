@@ -75,10 +75,13 @@ def titan_worker(folder: str) -> dict[str, str]:
         model, optimizers, manager = _setup(run_dir)
         saved = clone(optimizers.state_dict())
         _validate(model)
-        lines = [f"save after validation -> {outcome_of(lambda: manager.save(curr_step=1))}"]
-        if not (run_dir / "checkpoint" / "step-1").exists():
-            # Stock torch could not save: reshard through FSDP2's state_dict hooks
-            # and save again, so the load below still has a checkpoint to read.
+        saved_outcome = outcome_of(lambda: manager.save(curr_step=1))
+        lines = [f"save after validation -> {saved_outcome}"]
+        # Decided by the outcome, which every rank shares, not by the files a
+        # failed save may have left: the ranks must run the same collectives.
+        if saved_outcome != "ok":
+            # Reshard through FSDP2's state_dict hooks and save again, so the
+            # load below still has a checkpoint to read.
             model.state_dict()
             manager.save(curr_step=1)
         perturb(model, list(optimizers))
