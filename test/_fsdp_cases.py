@@ -225,7 +225,7 @@ def train_step(model, optims, step: int) -> float:
     return loss.item()
 
 
-def evaluate(model, case: Case) -> None:
+def evaluate(model, case: Case = Case()) -> None:
     """A forward with no backward: leaves reshard_after_forward=False groups unsharded."""
     if case.unshard:
         # As RL frameworks do before generation; nothing reshards until a backward.

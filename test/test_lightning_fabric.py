@@ -23,6 +23,7 @@ from _fsdp_cases import (
     batch,
     clone,
     differences,
+    evaluate,
     get_model_state_dict,
     get_optimizer_state_dict,
     outcome_of,
@@ -62,13 +63,6 @@ def _setup(save_distributed_checkpoint: bool):
     return fabric, model, optimizer
 
 
-def _evaluate(model) -> None:
-    model.eval()
-    with torch.no_grad():
-        model(batch(-1)[0])
-    model.train()
-
-
 def _states(model, optimizer) -> dict:
     # Fabric wraps both; DCP's view of the unwrapped objects is what Fabric saves.
     return {
@@ -81,7 +75,7 @@ def _save_then_load(path: Path, sharded: bool, optimizer_first: bool) -> list[st
     """Train a step, evaluate, fabric.save; then perturb, evaluate, fabric.load."""
     fabric, model, optimizer = _setup(save_distributed_checkpoint=sharded)
     saved = _states(model, optimizer)
-    _evaluate(model)
+    evaluate(model)
     state = {"optimizer": optimizer, "model": model} if optimizer_first else {
         "model": model, "optimizer": optimizer
     }
@@ -93,7 +87,7 @@ def _save_then_load(path: Path, sharded: bool, optimizer_first: bool) -> list[st
     if saved_outcome != "ok":
         return lines
     perturb(model.module, [optimizer.optimizer])
-    _evaluate(model)
+    evaluate(model)
     outcome = outcome_of(lambda: fabric.load(path, {"model": model, "optimizer": optimizer}))
     if outcome == "ok":
         diffs = differences(_states(model, optimizer), saved)

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import backport
-from _fsdp_cases import TinyLM, batch, clone, differences, outcome_of, perturb
+from _fsdp_cases import TinyLM, batch, clone, differences, evaluate, outcome_of, perturb
 from backport._launch import run_ranks
 
 
@@ -59,13 +59,6 @@ def _setup(folder: Path):
     return model, optimizers, manager
 
 
-def _validate(model) -> None:
-    model.eval()
-    with torch.no_grad():
-        model(batch(-1)[0])
-    model.train()
-
-
 def titan_worker(folder: str) -> dict[str, str]:
     results = {}
     for patched in (False, True):
@@ -74,7 +67,7 @@ def titan_worker(folder: str) -> dict[str, str]:
         run_dir = Path(folder) / ("patched" if patched else "unpatched")
         model, optimizers, manager = _setup(run_dir)
         saved = clone(optimizers.state_dict())
-        _validate(model)
+        evaluate(model)
         saved_outcome = outcome_of(lambda: manager.save(curr_step=1))
         lines = [f"save after validation -> {saved_outcome}"]
         # Decided by the outcome, which every rank shares, not by the files a
@@ -85,7 +78,7 @@ def titan_worker(folder: str) -> dict[str, str]:
             model.state_dict()
             manager.save(curr_step=1)
         perturb(model, list(optimizers))
-        _validate(model)
+        evaluate(model)
         outcome = outcome_of(lambda: manager.load(step=1))
         if outcome == "ok":
             diffs = differences(optimizers.state_dict(), saved)
