@@ -177,17 +177,55 @@ def _interleaved(fn, repeats: int, number: int, setup: str = "pass") -> dict[str
     }
 
 
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list from torch 2.13, one or None before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return groups
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
 def _mechanisms(model, optim) -> dict:
     """Each candidate mechanism, as one call with nothing unsharded."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     info = backport.get_original()(model, (optim,), False)
     mapping = info.fqn_param_mapping
+
+    fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
 
     def reshard_fsdp_modules() -> None:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+
+    def reshard_prepared() -> None:
+        for module in fsdp_modules:
+            module.reshard()
+
+    def walk() -> int:
+        found = 0
+        stack = [model]
+        while stack:
+            module = stack.pop()
+            if module is None:
+                continue
+            if isinstance(module, FSDPModule):
+                found += 1
+            stack.extend(module._modules.values())
+        return found
+
+    def skip_sharded_private() -> None:
+        stack = [model]
+        while stack:
+            module = stack.pop()
+            if module is None:
+                continue
+            if isinstance(module, FSDPModule):
+                for group in _param_groups(fully_shard.state(module)):
+                    if not group.is_sharded:
+                        group.reshard()
+            stack.extend(module._modules.values())
 
     def optim_param_lookup() -> bool:
         return all(p in mapping for g in optim.param_groups for p in g["params"])
@@ -196,6 +234,14 @@ def _mechanisms(model, optim) -> dict:
         # The fix: reshard() on each FSDPModule, FSDP2's pre-hook for plain
         # modules outside them. Complete.
         "fix": lambda: backport._reshard_fsdp2_modules(model),
+        # The fix's two parts apart: visiting every nn.Module, and FSDP2's
+        # public reshard() on a list of the FSDPModules prepared beforehand,
+        # the least any mechanism built on reshard() can cost.
+        "walk": walk,
+        "reshard_prepared": reshard_prepared,
+        # The fix's walk below the root, calling reshard() only on groups that
+        # FSDP2's private state says are not sharded: version-dependent.
+        "skip_sharded_private": skip_sharded_private,
         # reshard() on each FSDPModule only: misses a plain submodule passed in.
         "reshard_fsdp_modules": reshard_fsdp_modules,
         # model.state_dict(): complete, but runs every state-dict hook (and
@@ -399,14 +445,19 @@ def _markdown(report: dict) -> str:
         "",
         "Mechanisms compared, µs per FSDP module per call, nothing unsharded (see README.md):",
         "",
-        "| ranks | model | fix | reshard() on FSDPModules only | model.state_dict() | optimizer-param lookup |",
-        "|---|---|---|---|---|---|",
+        "| ranks | model | fix | its walk alone | reshard() on a prepared list of FSDPModules "
+        "| walk, reshard() only where private state says unsharded "
+        "| reshard() on FSDPModules from model.modules() | model.state_dict() "
+        "| optimizer-param lookup |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for ranks, results in report["results"].items():
         for key, res in results.items():
             m = res["mechanism_us_per_fsdp_module"]
             lines.append(
                 f"| {ranks.split('=')[1]} | {'LM' if key == 'lm' else key} | {m['fix']:.2f} "
+                f"| {m['walk']:.2f} | {m['reshard_prepared']:.2f} "
+                f"| {m['skip_sharded_private']:.2f} "
                 f"| {m['reshard_fsdp_modules']:.2f} | {m['state_dict']:.2f} "
                 f"| {m['optim_param_lookup']:.2f} |"
             )
@@ -427,7 +478,8 @@ def _plot(report: dict, path: Path) -> None:
     for ranks, results in report["results"].items():
         layers = {k: v for k, v in results.items() if k != "lm"}
         xs = [res["fsdp_modules"] for res in layers.values()]
-        for name in ("fix", "reshard_fsdp_modules", "state_dict", "optim_param_lookup"):
+        for name in ("fix", "reshard_prepared", "reshard_fsdp_modules", "state_dict",
+                     "optim_param_lookup"):
             ys = [res["mechanism_us_per_fsdp_module"][name] for res in layers.values()]
             ax.plot(xs, ys, marker="o", label=f"{name} ({ranks})")
     ax.axhline(3.0, color="red", linewidth=0.8, label="3 µs goal")
@@ -450,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-repeats", type=int, default=5)
     parser.add_argument("--llm-dim", type=int, default=512, help="0 skips the LM")
     parser.add_argument("--llm-blocks", type=int, default=32)
-    parser.add_argument("--llm-ranks", type=int, nargs="+", default=[2])
+    parser.add_argument("--llm-ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--checkpoint-repeats", type=int, default=12)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)

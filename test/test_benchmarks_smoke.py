@@ -42,7 +42,7 @@ class BenchmarkSmokeTest(expecttest.TestCase):
 bench.json, bench.md, overhead.png
 command, machine, results, status, torch
 after_eval, calls, fix_fraction_of_get_optimizer_state_dict, fix_us, fsdp_modules, mechanism_us_per_fsdp_module, modules, params
-fix, optim_param_lookup, reshard_fsdp_modules, state_dict
+fix, optim_param_lookup, reshard_fsdp_modules, reshard_prepared, skip_sharded_private, state_dict, walk
 get_optimizer_state_dict, get_state_dict, set_optimizer_state_dict
 median, p25, p75
 get_optimizer_state_dict_ms, get_optimizer_state_dict_ratio_to_nothing_unsharded, next_forward_us_after_reshard, next_forward_us_root_unsharded, reshard_us
