@@ -486,18 +486,29 @@ def render_outcomes(results: dict[str, dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def unpatched_then_patched(run: Callable[[str], Any]) -> dict[str, Any]:
+    """``run(label)`` on torch as installed, then with the backport, keyed by label."""
+    results = {"unpatched": run("unpatched")}
+    backport.apply()
+    try:
+        results["patched"] = run("patched")
+    finally:
+        backport.revert()
+    return results
+
+
 def matrix_worker(include_replicate: bool) -> dict[str, str]:
     """Run every case without and then with the backport; return the renderings."""
     cases = dict(CASES)
     if include_replicate:
         cases["replicate"] = REPLICATE_CASE
-    before = {name: run_case(case) for name, case in cases.items()}
-    backport.apply()
-    try:
-        after = {name: run_case(case) for name, case in cases.items()}
-    finally:
-        backport.revert()
-    return {"before": render_outcomes(before), "after": render_outcomes(after)}
+    outcomes = unpatched_then_patched(
+        lambda _label: {name: run_case(case) for name, case in cases.items()}
+    )
+    return {
+        "before": render_outcomes(outcomes["unpatched"]),
+        "after": render_outcomes(outcomes["patched"]),
+    }
 
 
 def _describe_value(value: Any) -> str:

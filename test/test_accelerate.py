@@ -12,8 +12,7 @@ import unittest
 
 import expecttest
 
-import backport
-from _fsdp_cases import clone, differences, outcome_of, perturb
+from _fsdp_cases import clone, differences, outcome_of, perturb, unpatched_then_patched
 from backport._launch import run_ranks
 
 
@@ -144,19 +143,16 @@ def _accelerator_state(variant: str, tmp: str) -> list[str]:
 
 
 def accelerate_worker(variant: str, tmp: str) -> dict[str, str]:
-    rendered = {}
-    for patched in (False, True):
-        if patched:
-            backport.apply()
-        where = f"{tmp}/{'patched' if patched else 'unpatched'}"
+    def run(label: str) -> str:
+        where = f"{tmp}/{label}"
         lines = (
             _fsdp_optimizer_files(variant, where)
             + _dsd_with_accelerate_options(variant)
             + _accelerator_state(variant, where)
         )
-        rendered["patched" if patched else "unpatched"] = "\n".join(lines)
-    backport.revert()
-    return rendered
+        return "\n".join(lines)
+
+    return unpatched_then_patched(run)
 
 
 @unittest.skipUnless(HAS_HF_STACK, "needs accelerate, transformers and peft")

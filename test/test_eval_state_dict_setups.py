@@ -21,9 +21,9 @@ from _fsdp_cases import (
     get_model_state_dict,
     render_outcomes,
     run_case,
+    unpatched_then_patched,
 )
 from backport._launch import run_ranks
-import backport
 
 
 FULL = (("full_state_dict", True),)
@@ -53,14 +53,11 @@ def _calls(case: Case) -> dict:
 
 
 def setups_worker(setups: dict[str, Case]) -> dict[str, str]:
-    before = {name: run_case(case, _calls(case), check_losses=True) for name, case in setups.items()}
-    backport.apply()
-    try:
-        after = {
+    outcomes = unpatched_then_patched(
+        lambda _label: {
             name: run_case(case, _calls(case), check_losses=True) for name, case in setups.items()
         }
-    finally:
-        backport.revert()
+    )
     # Wrappers must not leak into the FQNs.
     plain_fqns = sorted(TinyLM().state_dict())
     fqns = []
@@ -69,7 +66,11 @@ def setups_worker(setups: dict[str, Case]) -> dict[str, str]:
             model, _, options = build(case)
             same = sorted(get_model_state_dict(model, options=options)) == plain_fqns
             fqns.append(f"{name}: FQNs {'same as' if same else 'differ from'} the unwrapped model")
-    return {"before": render_outcomes(before), "after": render_outcomes(after), "fqns": "\n".join(fqns)}
+    return {
+        "before": render_outcomes(outcomes["unpatched"]),
+        "after": render_outcomes(outcomes["patched"]),
+        "fqns": "\n".join(fqns),
+    }
 
 
 def _agreed(world_size: int, setups: dict[str, Case]) -> dict[str, str]:

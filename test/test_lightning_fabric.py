@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-import backport
 from _fsdp_cases import (
     TinyLM,
     batch,
@@ -28,6 +27,7 @@ from _fsdp_cases import (
     get_optimizer_state_dict,
     outcome_of,
     perturb,
+    unpatched_then_patched,
 )
 from backport._launch import run_ranks
 
@@ -97,19 +97,15 @@ def _save_then_load(path: Path, sharded: bool, optimizer_first: bool) -> list[st
 
 
 def fabric_worker(checkpoint_dir: str) -> dict[str, str]:
-    results = {}
-    for patched in (False, True):
-        if patched:
-            backport.apply()
+    def run(label: str) -> str:
         lines = []
         for sharded in (True, False):
             for optimizer_first in (True, False):
-                name = f"{'patched' if patched else 'unpatched'}-{sharded}-{optimizer_first}"
-                path = Path(checkpoint_dir) / name
+                path = Path(checkpoint_dir) / f"{label}-{sharded}-{optimizer_first}"
                 lines += _save_then_load(path, sharded, optimizer_first)
-        results["patched" if patched else "unpatched"] = "\n".join(lines)
-    backport.revert()
-    return results
+        return "\n".join(lines)
+
+    return unpatched_then_patched(run)
 
 
 @unittest.skipUnless(

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.fsdp import fully_shard
 
-import backport
 from _fsdp_cases import (
     TinyLM,
     batch,
@@ -27,6 +26,7 @@ from _fsdp_cases import (
     differences,
     get_optimizer_state_dict,
     outcome_of,
+    unpatched_then_patched,
 )
 from backport._launch import run_ranks
 
@@ -117,11 +117,8 @@ def _loader():
 
 def trainer_worker(checkpoint_dir: str) -> dict[str, str]:
     pl, LitTinyLM, Probe = _lightning_classes()
-    results = {}
-    for patched in (False, True):
-        if patched:
-            backport.apply()
-        run_dir = Path(checkpoint_dir) / ("patched" if patched else "unpatched")
+    def run(label: str) -> str:
+        run_dir = Path(checkpoint_dir) / label
         probe = Probe()
         lines = []
         try:
@@ -142,9 +139,9 @@ def trainer_worker(checkpoint_dir: str) -> dict[str, str]:
             diffs = differences(resume.resumed_optim, probe.saved_optim)
             restored = "exactly" if not diffs else f"differs at {diffs[:3]}"
             lines.append(f"resume from last.ckpt -> optimizer state restored {restored}")
-        results["patched" if patched else "unpatched"] = "\n".join(lines)
-    backport.revert()
-    return results
+        return "\n".join(lines)
+
+    return unpatched_then_patched(run)
 
 
 @unittest.skipUnless(

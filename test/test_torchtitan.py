@@ -21,8 +21,16 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import backport
-from _fsdp_cases import TinyLM, batch, clone, differences, evaluate, outcome_of, perturb
+from _fsdp_cases import (
+    TinyLM,
+    batch,
+    clone,
+    differences,
+    evaluate,
+    outcome_of,
+    perturb,
+    unpatched_then_patched,
+)
 from backport._launch import run_ranks
 
 
@@ -60,11 +68,8 @@ def _setup(folder: Path):
 
 
 def titan_worker(folder: str) -> dict[str, str]:
-    results = {}
-    for patched in (False, True):
-        if patched:
-            backport.apply()
-        run_dir = Path(folder) / ("patched" if patched else "unpatched")
+    def run(label: str) -> str:
+        run_dir = Path(folder) / label
         model, optimizers, manager = _setup(run_dir)
         saved = clone(optimizers.state_dict())
         evaluate(model)
@@ -87,9 +92,9 @@ def titan_worker(folder: str) -> dict[str, str]:
             )
         lines.append(f"load after validation -> {outcome}")
         manager.close()
-        results["patched" if patched else "unpatched"] = "\n".join(lines)
-    backport.revert()
-    return results
+        return "\n".join(lines)
+
+    return unpatched_then_patched(run)
 
 
 @unittest.skipUnless(

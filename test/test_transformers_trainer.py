@@ -15,8 +15,14 @@ from pathlib import Path
 
 import expecttest
 
-import backport
-from _fsdp_cases import clone, describe_error, differences, get_optimizer_state_dict, outcome_of
+from _fsdp_cases import (
+    clone,
+    describe_error,
+    differences,
+    get_optimizer_state_dict,
+    outcome_of,
+    unpatched_then_patched,
+)
 from backport._launch import run_ranks
 
 
@@ -109,11 +115,8 @@ def _args(output_dir: Path, max_steps: int):
 
 def trainer_worker(output_dir: str) -> dict[str, str]:
     CPUFSDPTrainer, Probe, Dataset = _classes()
-    results = {}
-    for patched in (False, True):
-        if patched:
-            backport.apply()
-        run_dir = Path(output_dir) / ("patched" if patched else "unpatched")
+    def run(label: str) -> str:
+        run_dir = Path(output_dir) / label
         probe = Probe()
         trainer = CPUFSDPTrainer(
             model=_model(), args=_args(run_dir, 2), train_dataset=Dataset(),
@@ -145,9 +148,9 @@ def trainer_worker(output_dir: str) -> dict[str, str]:
                 "resume_from_checkpoint -> optimizer state restored "
                 + ("exactly" if not diffs else f"differs at {diffs[:3]}")
             )
-        results["patched" if patched else "unpatched"] = "\n".join(lines)
-    backport.revert()
-    return results
+        return "\n".join(lines)
+
+    return unpatched_then_patched(run)
 
 
 @unittest.skipUnless(
