@@ -6,7 +6,6 @@ import expecttest
 import torch
 import torch.nn as nn
 
-import backport
 from _fsdp_cases import (
     CASES,
     build,
@@ -15,6 +14,7 @@ from _fsdp_cases import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
     train_step,
+    unpatched_then_patched,
 )
 from backport._launch import run_ranks
 
@@ -42,25 +42,23 @@ def _calls(model, optims, options) -> list[str]:
 
 def foreign_param_worker() -> dict[str, list[str]]:
     """The second optimizer also holds a param that no module of the model has."""
-    results = {}
-    for patched in (False, True):
-        if patched:
-            backport.apply()
+    def run(label: str) -> dict[str, list[str]]:
         model, optims, options = build(CASES["root_none"])
         stray = nn.Parameter(torch.zeros(3, 5))
         optims.append(torch.optim.SGD([{"params": [stray]}], lr=0.1))
         optims[1].add_param_group({"params": [nn.Parameter(torch.ones(2))]})
         train_step(model, optims, 0)
         evaluate(model, CASES["root_none"])
-        results["patched" if patched else "unpatched"] = _calls(model, optims, options)
         # A plain module without FSDP gets the same error.
         plain = nn.Linear(2, 2)
         plain_optims = [torch.optim.SGD([*plain.parameters(), stray], lr=0.1)]
-        results[f"plain {'patched' if patched else 'unpatched'}"] = _calls(
-            plain, plain_optims, options
-        )
-    backport.revert()
-    return results
+        return {
+            label: _calls(model, optims, options),
+            f"plain {label}": _calls(plain, plain_optims, options),
+        }
+
+    runs = unpatched_then_patched(run)
+    return {**runs["unpatched"], **runs["patched"]}
 
 
 class ForeignOptimizerParamTest(expecttest.TestCase):
