@@ -10,12 +10,14 @@ FQNs: ``get_optimizer_state_dict`` raises ``KeyError: 0``,
 and a full ``set_model_state_dict`` mixes Tensors and DTensors.
 
 ``apply()`` wraps ``torch.distributed.checkpoint.state_dict._verify_options``,
-which all six public state-dict functions call before anything else. The
-wrapper first reshards every FSDP2 group that owns parameters of the module
-passed in (``FSDPModule.reshard()`` on each FSDP module in it; for a plain
-submodule inside a group, the state-dict pre-hook FSDP2 registered on it), with
-no collective and as a no-op on sharded groups, then builds the mapping once.
-An optimizer param the model does not own raises a ``ValueError`` that names it.
+which all six public state-dict functions call before anything else. Once the
+options are valid, the wrapper calls ``FSDPModule.reshard()`` on every FSDP2
+module in the module passed in (no collective, a no-op on sharded groups) and,
+for a plain module passed in, FSDP2's own state-dict pre-hook on the modules
+below it, which reshards a group owned by an FSDP module above it. Nothing else
+runs: no other hook, no ``state_dict()``. Three more functions are wrapped so
+that where torch raises a bare ``KeyError`` for an optimizer parameter the model
+does not own, a ``ValueError`` names it and its likely cause instead.
 
 Targets torch 2.8 to 2.15 (``_SUPPORTED``). The same change is proposed
 upstream (``torch_patch/`` in this project). Vendor as-is: this file needs only
@@ -24,7 +26,7 @@ the standard library and torch, and importing it changes nothing.
     import backport
     backport.apply()     # idempotent, thread-safe
     backport.status()    # "applied: ..." / "not applied: ..." / ...
-    backport.revert()    # restores the original function object
+    backport.revert()    # restores the original function objects
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ _TARGET_NAME = "_verify_options"
 _TARGET_PARAMS = ("model", "optims", "optim_only", "submodules", "options")
 # Releases measured to have the bug and the function shape patched here.
 _SUPPORTED = ((2, 8), (2, 15))
-# Breakpoint: no torch release contains the fix yet. A torch carrying it (a
-# release, or one with torch_patch/ applied) defines this helper in the target.
-_FIX_ARTIFACT = "_reshard_fsdp2_modules"
+# Breakpoint: no torch release contains the fix yet. In a torch carrying it (a
+# release, or one with torch_patch/ applied) _verify_options calls reshard().
+_FIX_ARTIFACT = "reshard"
 # Set on the wrapper installed in torch, so every vendored copy agrees.
 _MARKER = "_fsdp2_eval_reshard_backport"
 _PARAMS = "params"
@@ -81,68 +83,70 @@ class BackportWarning(RuntimeWarning):
     """The backport did nothing, and the caller should know why."""
 
 
-# The helpers below and the body of the wrapper are the upstream change in
-# torch_patch/: test/test_patch_matches_backport.py fails if they drift apart.
+# The helpers below are the upstream change in torch_patch/, statement for
+# statement: test/test_patch_matches_backport.py fails if they drift apart.
+
+# The state_dict pre-hook that FSDP2 registers on each module holding its params.
+_FSDP2_TO_SHARDED_HOOK = (
+    "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
+)
 
 
 def _reshard_fsdp2_modules(model: nn.Module) -> None:
-    """Reshard the FSDP2 parameters of ``model`` that a forward left unsharded."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
+    """What 0001 and 0002 add to ``_verify_options`` once the options are valid."""
+    from torch.distributed.fsdp import FSDPModule
 
     # A forward without backward (e.g. an evaluation under torch.no_grad()) or
-    # an explicit unshard() leaves groups with reshard_after_forward=False or an
-    # int unsharded while the optimizers hold the sharded parameters. reshard()
-    # is not recursive, issues no collective and is a no-op on a sharded group.
-    outside: list[nn.Module] = [model]
-    inside: list[nn.Module | None] = []
-    while outside:
-        module = outside.pop()
+    # FSDPModule.unshard() leaves FSDP2 parameters unsharded while optimizers
+    # hold the sharded ones. reshard() issues no collective.
+    for module in model.modules():
         if isinstance(module, FSDPModule):
-            inside.append(module)
-        elif isinstance(module, FSDP):
-            # FSDP1 keeps its FlatParameters registered, and its state_dict
-            # hooks issue collectives.
-            continue
-        elif module._state_dict_pre_hooks:
-            # Parameters of a module outside every FSDPModule in ``model`` can
-            # belong to the group of an FSDPModule above ``model``, which only
-            # the state_dict pre-hook FSDP2 registers on the module reshards.
-            module.state_dict(keep_vars=True)
-        else:
-            outside.extend(module.children())
-    while inside:
-        submodule = inside.pop()
-        if submodule is None:
-            continue
-        if isinstance(submodule, FSDPModule):
-            submodule.reshard()
-        # _modules rather than children(): this loop visits every module.
-        inside.extend(submodule._modules.values())
+            module.reshard()
+    if not isinstance(model, FSDPModule):
+        # A submodule passed in can hold parameters of an FSDPModule above it,
+        # which only FSDP2's state_dict pre-hook on the submodule reaches.
+        for module in model.modules():
+            for hook in module._state_dict_pre_hooks.values():
+                if getattr(hook, "__qualname__", None) == _FSDP2_TO_SHARDED_HOOK:
+                    hook(module, "", True)
 
 
-def _verify_optim_params_owned(
-    model: nn.Module,
+def _unowned_optim_param_error(
+    optim: torch.optim.Optimizer, param: torch.Tensor
+) -> ValueError:
+    """Return the error for an optimizer parameter that the model does not own."""
+    where = next(
+        f"param_groups[{group_idx}]['params'][{param_idx}]"
+        for group_idx, param_group in enumerate(optim.param_groups)
+        for param_idx, group_param in enumerate(param_group[_PARAMS])
+        if group_param is param
+    )
+    return ValueError(
+        f"{type(optim).__name__} holds a parameter that the model does not own: "
+        f"{where}, {type(param).__name__} of shape {tuple(param.shape)}. Likely "
+        "causes: the optimizer was built while FSDP2 modules were unsharded "
+        "(after a forward without backward, or FSDPModule.unshard()), so it "
+        "holds parameters that FSDP2 has replaced since; or the parameter "
+        "belongs to another module. Build the optimizer from model.parameters() "
+        "right after fully_shard(), and pass the model that owns all of its "
+        "parameters."
+    )
+
+
+def _options_are_valid(
     optims: tuple[torch.optim.Optimizer, ...],
-    fqn_param_mapping: dict[str | torch.Tensor, set[str] | torch.Tensor],
-) -> None:
-    """Raise a ValueError naming the first optimizer param ``model`` does not own."""
-    for optim_idx, optim in enumerate(optims):
-        for group_idx, param_group in enumerate(optim.param_groups):
-            for param_idx, param in enumerate(param_group[_PARAMS]):
-                if param in fqn_param_mapping:
-                    continue
-                raise ValueError(
-                    f"Optimizer {optim_idx} ({type(optim).__name__}) holds a "
-                    f"parameter that {type(model).__name__} does not own: "
-                    f"param_groups[{group_idx}]['params'][{param_idx}], "
-                    f"{type(param).__name__} of shape {tuple(param.shape)}. Build "
-                    "the optimizer from this model's parameters after "
-                    "fully_shard(), and pass the same model to the state_dict "
-                    "functions."
-                )
+    optim_only: bool,
+    options: StateDictOptions | None,
+) -> bool:
+    """Whether ``_verify_options`` accepts these; it raises its own error if not."""
+    if optim_only and not optims:
+        return False
+    return not (
+        options is not None and options.broadcast_from_rank0 and not options.full_state_dict
+    )
 
 
-def _make_wrapper(verify_options: Callable) -> Callable:
+def _wrap_verify_options(verify_options: Callable) -> Callable:
     @functools.wraps(verify_options)
     def _verify_options(
         model: nn.Module,
@@ -152,17 +156,66 @@ def _make_wrapper(verify_options: Callable) -> Callable:
         submodules: set[nn.Module] | None = None,
         options: StateDictOptions | None = None,
     ) -> _StateDictInfo:
-        _reshard_fsdp2_modules(model)
-        info = verify_options(
+        # 0001 reshards after the option checks: an invalid call changes nothing.
+        if _options_are_valid(optims, optim_only, options):
+            _reshard_fsdp2_modules(model)
+        return verify_options(
             model, optims, optim_only, submodules=submodules, options=options
         )
-        # FSDP1, whose optimizers hold FlatParameters, is left as it was.
-        if not info.fsdp_modules:
-            _verify_optim_params_owned(model, optims, info.fqn_param_mapping)
-        return info
 
-    setattr(_verify_options, _MARKER, __version__)
     return _verify_options
+
+
+def _wrap_get_optim_state_dict(get_optim_state_dict: Callable) -> Callable:
+    # 0003 raises where this function's pid -> FQN lookup raises KeyError(pid).
+    @functools.wraps(get_optim_state_dict)
+    def _get_optim_state_dict(model, optimizers, info):
+        try:
+            return get_optim_state_dict(model, optimizers, info)
+        except KeyError as err:
+            pid = err.args[0] if len(err.args) == 1 else None
+            if info.fsdp_modules or not isinstance(pid, int):
+                raise
+            owned = {id(param) for _, param in model.named_parameters()}
+            for optim in optimizers:
+                params = [p for group in optim.param_groups for p in group[_PARAMS]]
+                if 0 <= pid < len(params) and id(params[pid]) not in owned:
+                    raise _unowned_optim_param_error(optim, params[pid]) from err
+            raise
+
+    return _get_optim_state_dict
+
+
+def _wrap_param_to_fqns(split_or_unflatten: Callable, optim_arg: int) -> Callable:
+    # 0003 raises where info.fqn_param_mapping[param] raises KeyError(param).
+    @functools.wraps(split_or_unflatten)
+    def wrapper(*args):
+        try:
+            return split_or_unflatten(*args)
+        except KeyError as err:
+            optim, info = args[optim_arg], args[-1]
+            params = (p for group in optim.param_groups for p in group[_PARAMS])
+            unowned = next((p for p in params if p not in info.fqn_param_mapping), None)
+            if unowned is None or len(err.args) != 1 or err.args[0] is not unowned:
+                raise
+            raise _unowned_optim_param_error(optim, unowned) from err
+
+    return wrapper
+
+
+# name in the target module -> wrapper factory for the function found there
+_WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
+    _TARGET_NAME: _wrap_verify_options,
+    "_get_optim_state_dict": _wrap_get_optim_state_dict,
+    "_split_optim_state_dict": lambda fn: _wrap_param_to_fqns(fn, optim_arg=1),
+    "_unflatten_optim_state_dict": lambda fn: _wrap_param_to_fqns(fn, optim_arg=0),
+}
+
+
+def _make_wrapper(name: str, original: Callable) -> Callable:
+    wrapper = _WRAPPERS[name](original)
+    setattr(wrapper, _MARKER, __version__)
+    return wrapper
 
 
 def _applied_version(obj: object) -> str | None:
@@ -187,7 +240,9 @@ def _check_support(version: str, module: ModuleType) -> str | None:
     Raises UnsupportedTorchError when it can be neither patched nor skipped.
     """
     target = getattr(module, _TARGET_NAME, None)
-    if _applied_version(target) is None and hasattr(module, _FIX_ARTIFACT):
+    if _applied_version(target) is None and _FIX_ARTIFACT in getattr(
+        getattr(target, "__code__", None), "co_names", ()
+    ):
         return f"torch {version} already contains the fix; remove the backport"
     release = _torch_release(version)
     if release is None or not _SUPPORTED[0] <= release <= _SUPPORTED[1]:
@@ -210,6 +265,12 @@ def _check_support(version: str, module: ModuleType) -> str | None:
             f"torch {version} changed {_TARGET_MODULE}.{_TARGET_NAME} (expected "
             f"parameters {_TARGET_PARAMS}, found {tuple(names) or repr(target)}); this "
             f"backport supports torch {_supported_range()} as released."
+        )
+    missing = [name for name in _WRAPPERS if not callable(getattr(module, name, None))]
+    if missing:
+        raise UnsupportedTorchError(
+            f"torch {version} has no {_TARGET_MODULE}.{missing[0]}; this backport "
+            f"supports torch {_supported_range()} as released."
         )
     return None
 
@@ -234,32 +295,34 @@ def apply() -> str:
     with _lock:
         reason = _check_support(torch.__version__, module)
         if reason is None:
-            current = getattr(module, _TARGET_NAME)
-            if _applied_version(current) is None:
-                setattr(module, _TARGET_NAME, _make_wrapper(current))
+            for name in _WRAPPERS:
+                current = getattr(module, name)
+                if _applied_version(current) is None:
+                    setattr(module, name, _make_wrapper(name, current))
     if reason is not None:
         warnings.warn(f"backport.apply() did nothing: {reason}.", BackportWarning, stacklevel=2)
     return status()
 
 
 def revert() -> str:
-    """Restore the original ``_verify_options``. Returns the ``status()`` line.
+    """Restore the original functions. Returns the ``status()`` line.
 
-    Leaves the attribute alone, with a BackportWarning, when something other
-    than this backport's wrapper is installed there now.
+    Leaves an attribute alone, with a BackportWarning, when something else has
+    wrapped this backport's wrapper there since.
     """
     _, module = _target_module()
     with _lock:
-        current = getattr(module, _TARGET_NAME, None)
-        if _applied_version(current) is not None:
-            setattr(module, _TARGET_NAME, current.__wrapped__)
-        elif getattr(current, "__wrapped__", None) is not None:
-            warnings.warn(
-                f"{_TARGET_MODULE}.{_TARGET_NAME} is wrapped by something other "
-                "than this backport; it was left as it is. Revert that patch first.",
-                BackportWarning,
-                stacklevel=2,
-            )
+        for name in _WRAPPERS:
+            current = getattr(module, name, None)
+            if _applied_version(current) is not None:
+                setattr(module, name, current.__wrapped__)
+            elif _applied_version(getattr(current, "__wrapped__", None)) is not None:
+                warnings.warn(
+                    f"{_TARGET_MODULE}.{name} is wrapped by something other "
+                    "than this backport; it was left as it is. Revert that patch first.",
+                    BackportWarning,
+                    stacklevel=2,
+                )
     return status()
 
 

@@ -152,7 +152,11 @@ class SupportGateTest(expecttest.TestCase):
         )
 
     def test_torch_with_the_fix_needs_nothing(self) -> None:
-        module = _module_with(dsd._verify_options, _reshard_fsdp2_modules=lambda model: None)
+        def _verify_options(model, optims, optim_only, *, submodules=None, options=None):
+            for module in model.modules():
+                module.reshard()
+
+        module = _module_with(_verify_options)
         for version in ("2.13.0", "2.16.0"):
             self.assertExpectedInline(
                 backport._check_support(version, module).replace(version, "<v>"),

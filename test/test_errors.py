@@ -70,14 +70,14 @@ class ForeignOptimizerParamTest(expecttest.TestCase):
 get_optimizer_state_dict: KeyError: 0
 set_optimizer_state_dict: KeyError: <DTensor>""")
         self.assertExpectedInline("\n".join(result["patched"]), """\
-get_optimizer_state_dict: ValueError: Optimizer 1 (SGD) holds a parameter that FSDPTinyLM does not own: param_groups[0]['params'][0], Parameter of shape (3, 5). Build the optimizer from this model's parameters after fully_shard(), and pass the same model to the state_dict functions.
-set_optimizer_state_dict: ValueError: Optimizer 1 (SGD) holds a parameter that FSDPTinyLM does not own: param_groups[0]['params'][0], Parameter of shape (3, 5). Build the optimizer from this model's parameters after fully_shard(), and pass the same model to the state_dict functions.""")
+get_optimizer_state_dict: ValueError: SGD holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (3, 5). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
+set_optimizer_state_dict: RuntimeError: Missing optimizer state for parameter 'blocks.0.lin1.weight' in checkpoint. The parameter requires gradients but has no saved optimizer state. To load anyway, use StateDictOptions(strict=False).""")
         self.assertExpectedInline("\n".join(result["plain unpatched"]), """\
 get_optimizer_state_dict: KeyError: 2
 set_optimizer_state_dict: RuntimeError: Missing optimizer state for parameter 'bias' in checkpoint. The parameter requires gradients but has no saved optimizer state. To load anyway, use StateDictOptions(strict=False).""")
         self.assertExpectedInline("\n".join(result["plain patched"]), """\
-get_optimizer_state_dict: ValueError: Optimizer 0 (SGD) holds a parameter that Linear does not own: param_groups[0]['params'][2], Parameter of shape (3, 5). Build the optimizer from this model's parameters after fully_shard(), and pass the same model to the state_dict functions.
-set_optimizer_state_dict: ValueError: Optimizer 0 (SGD) holds a parameter that Linear does not own: param_groups[0]['params'][2], Parameter of shape (3, 5). Build the optimizer from this model's parameters after fully_shard(), and pass the same model to the state_dict functions.""")
+get_optimizer_state_dict: ValueError: SGD holds a parameter that the model does not own: param_groups[0]['params'][2], Parameter of shape (3, 5). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
+set_optimizer_state_dict: RuntimeError: Missing optimizer state for parameter 'bias' in checkpoint. The parameter requires gradients but has no saved optimizer state. To load anyway, use StateDictOptions(strict=False).""")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """The upstream patch series and the backport implement one logic.
 
-The helpers the series adds to state_dict.py must be the backport's helpers,
-line for line (comments included), and the statements it adds to
-``_verify_options`` must be the ones the backport's wrapper runs around the
-original, in the same order.
+- What 0001 and 0002 add to ``_verify_options`` after its option checks is the
+  body of the backport's ``_reshard_fsdp2_modules``, line for line (comments
+  included), and the checks it moves ahead of the reshard are the ones the
+  backport's ``_options_are_valid`` mirrors.
+- The helper and constant the series adds are the backport's, line for line.
+- 0003 raises its error in exactly the functions the backport wraps for it.
 """
 
-import ast
 import inspect
 import re
 import textwrap
@@ -18,8 +19,14 @@ import backport
 
 PATCHES = sorted((Path(__file__).parent.parent / "torch_patch").glob("0*.patch"))
 TARGET = "torch/distributed/checkpoint/state_dict.py"
-# The helper each patch adds: 0001 the fix, 0002 the error for foreign params.
-HELPERS = {"0001": "_reshard_fsdp2_modules", "0002": "_verify_optim_params_owned"}
+SERIES = ["0001", "0002", "0003"]
+# The option check that 0001 moves ahead of the reshard.
+MOVED_CHECK = """\
+if options.broadcast_from_rank0 and not options.full_state_dict:
+    raise ValueError(
+        "full_state_dict must be True when broadcast_from_rank0 is True."
+    )
+"""
 
 
 def _hunks(patch: Path) -> list[tuple[str, list[str]]]:
@@ -34,94 +41,91 @@ def _function_name(line: str) -> str | None:
     return match.group(1) if match else None
 
 
-def _added_source(patch: Path) -> str:
-    """The lines ``patch`` adds to state_dict.py; hunks end with a marker line."""
-    hunks = [
-        "\n".join(line[1:] for line in lines if line.startswith("+")) + "\n#hunk end\n"
-        for _, lines in _hunks(patch)
-    ]
-    return "\n".join(hunks)
-
-
-def _added_to_verify_options(patch: Path) -> list[str]:
-    """Blocks of lines ``patch`` adds inside ``_verify_options``, each dedented."""
-    blocks: list[list[str]] = []
+def _added_blocks(patch: Path) -> list[tuple[str | None, str]]:
+    """(enclosing function, dedented text) of each run of lines ``patch`` adds."""
+    blocks: list[tuple[str | None, list[str]]] = []
     for header, lines in _hunks(patch):
         function, previous = _function_name(header), ""
         for line in lines:
-            function = _function_name(line[1:]) or function
-            if line.startswith("+") and function == "_verify_options":
+            if not line.startswith("+"):
+                function = _function_name(line[1:]) or function
+            if line.startswith("+"):
                 if not previous.startswith("+"):
-                    blocks.append([])
-                blocks[-1].append(line[1:])
+                    blocks.append((function, []))
+                blocks[-1][1].append(line[1:])
             previous = line
-    return [textwrap.dedent("\n".join(block)) for block in blocks]
+    return [(function, textwrap.dedent("\n".join(text)) + "\n") for function, text in blocks]
 
 
-def _function_source(source: str, name: str) -> str:
-    match = re.search(rf"^def {name}\(.*?(?=^def |^#hunk end|\Z)", source, re.MULTILINE | re.DOTALL)
-    if match is None:
-        raise AssertionError(f"the patch does not add {name}")
-    return match.group(0).rstrip() + "\n"
-
-
-def _without_local_imports(source: str) -> str:
-    # The vendorable backport imports torch lazily; state_dict.py at the top.
-    lines = source.splitlines()
-    kept = []
-    for idx, line in enumerate(lines):
-        if line.strip().startswith(("from torch", "import torch")):
-            continue
-        if not line.strip() and kept and not kept[-1].strip():
-            continue
-        if not line.strip() and idx > 0 and lines[idx - 1].strip().startswith("from torch"):
-            continue
-        kept.append(line)
-    return "\n".join(kept) + "\n"
-
-
-def _statements(source: str) -> list[str]:
-    return [ast.dump(stmt) for stmt in ast.parse(source).body]
-
-
-def _wrapper_statements() -> list[str]:
-    """What the wrapper runs besides calling the original and returning its info."""
-    wrapper = ast.parse(textwrap.dedent(inspect.getsource(backport._make_wrapper)))
-    inner = next(
-        node for node in ast.walk(wrapper)
-        if isinstance(node, ast.FunctionDef) and node.name == "_verify_options"
-    )
-    kept = [
-        stmt for stmt in inner.body
-        if not isinstance(stmt, (ast.Return, ast.Assign))  # info = original(...)
+def _reshard_block() -> str:
+    """What 0001 + 0002 add to ``_verify_options`` besides the moved check."""
+    added = [
+        text
+        for patch in PATCHES[:2]
+        for function, text in _added_blocks(patch)
+        if function == "_verify_options"
     ]
-    # state_dict.py has the locals that the wrapper reads from the info.
-    source = "\n".join(ast.unparse(stmt) for stmt in kept)
-    source = source.replace("info.fsdp_modules", "fsdp_modules")
-    source = source.replace("info.fqn_param_mapping", "fqn_param_mapping")
-    return _statements(source)
+    code = "".join(added)
+    if not code.startswith(MOVED_CHECK):
+        raise AssertionError(f"0001 does not open with the moved option check:\n{code}")
+    return code[len(MOVED_CHECK):].lstrip("\n")
+
+
+def _backport_reshard_body() -> str:
+    source = textwrap.dedent(inspect.getsource(backport._reshard_fsdp2_modules))
+    body = source.split('"""', 2)[2]  # after the docstring
+    lines = [line for line in body.splitlines() if not line.strip().startswith("from torch")]
+    return textwrap.dedent("\n".join(lines)).strip("\n") + "\n"
+
+
+def _added_definition(name: str) -> str:
+    """The module-level definition of ``name`` that the series adds."""
+    for patch in PATCHES:
+        for function, text in _added_blocks(patch):
+            match = re.search(
+                rf"^(?:def {name}\(.*?(?=\n\n\n|\Z)|{name} = (?:\(\n.*?\n\)|.*?$))", text, re.MULTILINE | re.DOTALL
+            )
+            if match:
+                return match.group(0).rstrip() + "\n"
+    raise AssertionError(f"the series does not add {name}")
+
+
+def _backport_definition(name: str) -> str:
+    value = getattr(backport, name)
+    if callable(value):
+        return textwrap.dedent(inspect.getsource(value)).rstrip() + "\n"
+    source = Path(backport.__file__).read_text()
+    match = re.search(rf"^{name} = (?:\(\n.*?\n\)|.*?$)", source, re.MULTILINE | re.DOTALL)
+    return match.group(0) + "\n"
 
 
 class PatchMatchesBackportTest(unittest.TestCase):
     def test_series(self) -> None:
-        self.assertEqual([patch.name[:4] for patch in PATCHES], list(HELPERS))
+        self.assertEqual([patch.name[:4] for patch in PATCHES], SERIES)
 
-    def test_helpers_are_identical(self) -> None:
-        for patch in PATCHES:
-            name = HELPERS[patch.name[:4]]
-            with self.subTest(patch=patch.name, helper=name):
-                ours = _without_local_imports(inspect.getsource(getattr(backport, name)))
-                self.assertEqual(_function_source(_added_source(patch), name), ours)
+    def test_reshard_is_the_backport_helper(self) -> None:
+        self.assertEqual(_reshard_block(), _backport_reshard_body())
 
-    def test_verify_options_matches_the_wrapper(self) -> None:
-        patched = [
-            stmt for patch in PATCHES for block in _added_to_verify_options(patch)
-            for stmt in _statements(block)
-        ]
-        self.assertEqual(patched, _wrapper_statements())
+    def test_moved_check_is_the_one_the_backport_mirrors(self) -> None:
+        source = inspect.getsource(backport._options_are_valid)
+        self.assertIn("options.broadcast_from_rank0 and not options.full_state_dict", source)
+        self.assertIn("optim_only and not optims", source)
+
+    def test_added_definitions_are_identical(self) -> None:
+        for name in ("_FSDP2_TO_SHARDED_HOOK", "_unowned_optim_param_error"):
+            with self.subTest(name=name):
+                self.assertEqual(_added_definition(name), _backport_definition(name))
+
+    def test_error_raised_where_the_backport_converts(self) -> None:
+        raising = {
+            function
+            for function, text in _added_blocks(PATCHES[2])
+            if "raise _unowned_optim_param_error(" in text
+        }
+        self.assertEqual(raising, set(backport._WRAPPERS) - {backport._TARGET_NAME})
 
     def test_patch_marks_the_fix_the_backport_detects(self) -> None:
-        self.assertIn(f"+def {backport._FIX_ARTIFACT}(", PATCHES[0].read_text())
+        self.assertIn(f".{backport._FIX_ARTIFACT}()", _reshard_block())
 
 
 if __name__ == "__main__":
