@@ -1,0 +1,233 @@
+"""Setups that work on stock torch work identically with the fix, on 2 ranks.
+
+Each worker runs its setups on torch as installed and again after
+``backport.apply()``. Controls must give the same rendering both times; the bug
+cases ("after eval") must fail on stock torch and pass with the fix.
+"""
+
+import unittest
+
+import expecttest
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import _patch_model_state_dict
+
+from _fsdp_cases import (
+    CALLS,
+    CASES,
+    StateDictOptions,
+    TinyLM,
+    build,
+    clone,
+    differences,
+    evaluate,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    outcome_of,
+    set_optimizer_state_dict,
+    train_step,
+    unpatched_then_patched,
+)
+from backport._launch import run_ranks
+
+
+class PlainRoot(nn.Module):
+    """A plain wrapper module around the model, as user code and libraries add."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+
+def _plain_root(fsdp2: bool) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+    """TinyLM in a plain root; with ``fsdp2``, sharded below that root."""
+    if fsdp2:
+        model, optims, _ = build(CASES["root_none"])
+    else:
+        torch.manual_seed(0)
+        model = TinyLM()
+        optims = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
+    root = PlainRoot(model)
+    train_step(root, optims, 0)
+    return root, optims
+
+
+def _patched_state_dict_outcomes(fsdp2: bool, after_eval: bool) -> str:
+    """DSD's own _patch_model_state_dict on a plain root that carries a pre-hook."""
+    root, optims = _plain_root(fsdp2)
+    root.register_state_dict_pre_hook(lambda module, prefix, keep_vars: None)
+    _patch_model_state_dict(root)
+    outcomes = []
+    for name, call in (
+        ("state_dict", lambda: root.state_dict()),
+        ("get_model", lambda: get_model_state_dict(root)),
+        ("get_optim", lambda: get_optimizer_state_dict(root, optims)),
+    ):
+        if after_eval:
+            evaluate(root)
+        outcomes.append(f"{name} {outcome_of(call)}")
+    return ", ".join(outcomes)
+
+
+def patched_state_dict_worker() -> dict[str, str]:
+    setups = {
+        "plain model": dict(fsdp2=False, after_eval=False),
+        "plain root over FSDP2": dict(fsdp2=True, after_eval=False),
+        "plain root over FSDP2, after eval": dict(fsdp2=True, after_eval=True),
+    }
+    runs = unpatched_then_patched(
+        lambda _label: "\n".join(
+            f"{name}: {_patched_state_dict_outcomes(**kwargs)}" for name, kwargs in setups.items()
+        )
+    )
+    return runs
+
+
+class HookCounter:
+    """Counts the calls of a user's state-dict hooks on one module."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.counts = {"pre": 0, "post": 0, "load_pre": 0}
+        module.register_state_dict_pre_hook(self._hook("pre"))
+        module.register_state_dict_post_hook(self._hook("post"))
+        module.register_load_state_dict_pre_hook(self._hook("load_pre"))
+
+    def _hook(self, kind: str):
+        def hook(*args, **kwargs) -> None:
+            self.counts[kind] += 1
+
+        return hook
+
+    def take(self) -> str:
+        taken = " ".join(f"{kind}={count}" for kind, count in self.counts.items())
+        self.counts = dict.fromkeys(self.counts, 0)
+        return taken
+
+
+def _hook_counts(fsdp2: bool) -> str:
+    """A user's hooks on the plain root and on a leaf: calls per DSD call."""
+    lines = []
+    for call_name, call in CALLS.items():
+        root, optims = _plain_root(fsdp2)
+        ref = {
+            "model": clone(get_model_state_dict(root)),
+            "optim": clone(get_optimizer_state_dict(root, optims)),
+        }
+        counters = {"root": HookCounter(root), "head": HookCounter(root.model.head)}
+        outcome = outcome_of(lambda: call(root, optims, StateDictOptions(), ref))
+        counts = ", ".join(f"{name} {counter.take()}" for name, counter in counters.items())
+        lines.append(f"{call_name} {outcome}: {counts}")
+    return "\n".join(lines)
+
+
+def hook_counts_worker() -> dict[str, dict[str, str]]:
+    return unpatched_then_patched(
+        lambda _label: {
+            "plain model": _hook_counts(fsdp2=False),
+            "plain root over FSDP2": _hook_counts(fsdp2=True),
+        }
+    )
+
+
+def _int_keyed_load(fsdp2: bool) -> str:
+    """optim.state_dict() (int keys) loaded back with a param outside the model."""
+    root, optims = _plain_root(fsdp2)
+    # A learnable loss temperature: optimized, but not a parameter of the model.
+    temperature = nn.Parameter(torch.ones(()))
+    optims[0].add_param_group({"params": [temperature]})
+    temperature.grad = torch.ones(())
+    optims[0].step()
+    saved = clone(optims[0].state_dict())
+    with torch.no_grad():
+        for state in optims[0].state.values():
+            state["exp_avg"].add_(1.0)
+    outcome = outcome_of(lambda: set_optimizer_state_dict(root, optims, clone(saved)))
+    if outcome != "ok":
+        return outcome
+    diffs = differences(optims[0].state_dict(), saved)
+    return f"ok, restored {'exactly' if not diffs else f'with differences at {diffs[:3]}'}"
+
+
+def int_keyed_worker() -> dict[str, str]:
+    return unpatched_then_patched(
+        lambda _label: "\n".join(
+            f"{name}: {_int_keyed_load(fsdp2)}"
+            for name, fsdp2 in (("plain model", False), ("FSDP2 model", True))
+        )
+    )
+
+
+def optim_built_after_eval_worker() -> dict[str, str]:
+    """The optimizer captures the root group's unsharded params after an evaluation."""
+
+    def run(_label: str) -> str:
+        model, _, _ = build(CASES["root_none"])
+        evaluate(model)
+        optims = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
+        train_step(model, optims, 0)
+        evaluate(model)
+        n_params = sum(len(group["params"]) for group in optims[0].param_groups)
+        try:
+            osd = get_optimizer_state_dict(model, optims)
+        except ValueError as err:
+            return f"ValueError: {err}"
+        return f"ok, state for {len(osd['state'])} of {n_params} optimizer params"
+
+    return unpatched_then_patched(run)
+
+
+def _agreed(fn) -> dict:
+    results = run_ranks(2, fn)
+    for rank, result in enumerate(results):
+        assert result == results[0], f"rank {rank} disagrees with rank 0"
+    return results[0]
+
+
+class DoNoHarmTest(expecttest.TestCase):
+    def test_patched_state_dict_on_a_hooked_plain_root(self) -> None:
+        result = _agreed(patched_state_dict_worker)
+        self.assertExpectedInline(result["unpatched"], """\
+plain model: state_dict ok, get_model ok, get_optim ok
+plain root over FSDP2: state_dict ok, get_model ok, get_optim ok
+plain root over FSDP2, after eval: state_dict ok, get_model ok, get_optim KeyError: 0""")
+        self.assertExpectedInline(result["patched"], """\
+plain model: state_dict ok, get_model ok, get_optim ok
+plain root over FSDP2: state_dict ok, get_model ok, get_optim ok
+plain root over FSDP2, after eval: state_dict ok, get_model ok, get_optim ok""")
+
+    def test_user_hook_call_counts(self) -> None:
+        result = _agreed(hook_counts_worker)
+        self.assertEqual(result["patched"], result["unpatched"])
+        self.assertExpectedInline(result["unpatched"]["plain model"], """\
+get_model ok: root pre=1 post=1 load_pre=0, head pre=1 post=1 load_pre=0
+get_optim ok: root pre=0 post=0 load_pre=0, head pre=0 post=0 load_pre=0
+get_state ok: root pre=1 post=1 load_pre=0, head pre=1 post=1 load_pre=0
+set_model ok: root pre=1 post=1 load_pre=1, head pre=1 post=1 load_pre=1
+set_optim ok: root pre=0 post=0 load_pre=0, head pre=0 post=0 load_pre=0
+set_state ok: root pre=1 post=1 load_pre=1, head pre=1 post=1 load_pre=1""")
+        self.assertExpectedInline(result["unpatched"]["plain root over FSDP2"], """\
+get_model ok: root pre=1 post=1 load_pre=0, head pre=1 post=1 load_pre=0
+get_optim ok: root pre=0 post=0 load_pre=0, head pre=0 post=0 load_pre=0
+get_state ok: root pre=1 post=1 load_pre=0, head pre=1 post=1 load_pre=0
+set_model ok: root pre=1 post=1 load_pre=1, head pre=1 post=1 load_pre=1
+set_optim ok: root pre=0 post=0 load_pre=0, head pre=0 post=0 load_pre=0
+set_state ok: root pre=1 post=1 load_pre=1, head pre=1 post=1 load_pre=1""")
+
+    def test_int_keyed_optimizer_state_dict_with_a_param_outside_the_model(self) -> None:
+        result = _agreed(int_keyed_worker)
+        self.assertEqual(result["patched"], result["unpatched"])
+        self.assertExpectedInline(result["unpatched"], """\
+plain model: ok, restored exactly
+FSDP2 model: ok, restored exactly""")
+
+    def test_optimizer_built_after_an_evaluation(self) -> None:
+        result = _agreed(optim_built_after_eval_worker)
+        self.assertExpectedInline(result["unpatched"], """ok, state for 8 of 12 optimizer params""")
+        self.assertExpectedInline(result["patched"], """ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (16, 8). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.""")
+
+
+if __name__ == "__main__":
+    unittest.main()
