@@ -47,8 +47,8 @@ torch <torch> + 0001 + 0002 + 0003:
   git apply 0002-DSD-Reshard-the-FSDP2-group-of-a-plain-submodule-pas.patch: clean
   git apply 0003-DSD-Name-the-optimizer-parameter-that-the-model-does.patch: clean
   upstream test test/distributed/checkpoint/fsdp/test_fsdp_dsd.py:
-    torch as installed: failed (4 tests, FAILED (errors=3))
-    patched state_dict.py: passed (4 tests, OK)
+    torch as installed: failed (5 tests, FAILED (errors=4))
+    patched state_dict.py: passed (5 tests, OK)
   backport.status() on the patched torch: not needed: torch <torch> already contains the fix; remove the backport
 result: the series fixes torch <torch>
 """)

@@ -95,7 +95,10 @@ class TestRun(NamedTuple):
         return f"{verdict} ({tests} tests, {self.summary or 'no unittest summary'})"
 
     def tail(self, lines: int = 15) -> str:
-        return "\n".join(self.log.read_text().splitlines()[-lines:])
+        text = self.log.read_text().splitlines()
+        # unittest's headers name the failing tests; a crashed rank shows only there.
+        failed = [line for line in text if re.match(r"(FAIL|ERROR): ", line)]
+        return "\n".join([*failed, "...", *text[-lines:]])
 
 
 def _run_test(test_file: Path, env: dict[str, str], log: Path, test_args) -> TestRun:
