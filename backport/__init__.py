@@ -15,9 +15,11 @@ options are valid, the wrapper calls ``FSDPModule.reshard()`` on every FSDP2
 module in the module passed in (no collective, a no-op on sharded groups) and,
 for a plain module passed in, FSDP2's own state-dict pre-hook on the modules
 below it, which reshards a group owned by an FSDP module above it. Nothing else
-runs: no other hook, no ``state_dict()``. Three more functions are wrapped so
+runs: no other hook, no ``state_dict()``. Four more functions are wrapped so
 that where torch raises a bare ``KeyError`` for an optimizer parameter the model
-does not own, a ``ValueError`` names it and its likely cause instead.
+does not own, a ``ValueError`` names it and its likely cause instead, and so
+that the same error, not a crash, meets a never-stepped optimizer whose
+parameters' memory FSDP2 has freed.
 
 Targets torch 2.8 to 2.15 (``_SUPPORTED``). The same change is proposed
 upstream (``torch_patch/`` in this project). Vendor as-is: this file needs only
@@ -133,6 +135,19 @@ def _unowned_optim_param_error(
     )
 
 
+def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
+    """Raise if ``optim`` holds a parameter whose memory has been freed.
+
+    An optimizer built while FSDP2 modules were unsharded holds their unsharded
+    parameters, whose memory ``reshard()`` frees: ``step()`` on one crashes.
+    """
+    for param_group in optim.param_groups:
+        for param in param_group[_PARAMS]:
+            freed = param.numel() > 0 and param.untyped_storage().size() == 0
+            if param.requires_grad and freed:
+                raise _unowned_optim_param_error(optim, param)
+
+
 def _options_are_valid(
     optims: tuple[torch.optim.Optimizer, ...],
     optim_only: bool,
@@ -203,12 +218,25 @@ def _wrap_param_to_fqns(split_or_unflatten: Callable, optim_arg: int) -> Callabl
     return wrapper
 
 
+def _wrap_init_optim_state(init_optim_state: Callable) -> Callable:
+    # 0003 checks right before the zero-grad step(), after the early returns.
+    @functools.wraps(init_optim_state)
+    def _init_optim_state(optim):
+        params = [param for group in optim.param_groups for param in group[_PARAMS]]
+        if not optim.state and all(param.grad is None for param in params):
+            _verify_optim_params_allocated(optim)
+        return init_optim_state(optim)
+
+    return _init_optim_state
+
+
 # name in the target module -> wrapper factory for the function found there
 _WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     _TARGET_NAME: _wrap_verify_options,
     "_get_optim_state_dict": _wrap_get_optim_state_dict,
     "_split_optim_state_dict": lambda fn: _wrap_param_to_fqns(fn, optim_arg=1),
     "_unflatten_optim_state_dict": lambda fn: _wrap_param_to_fqns(fn, optim_arg=0),
+    "_init_optim_state": _wrap_init_optim_state,
 }
 
 

@@ -5,7 +5,8 @@
   included), and the checks it moves ahead of the reshard are the ones the
   backport's ``_options_are_valid`` mirrors.
 - The helper and constant the series adds are the backport's, line for line.
-- 0003 raises its error in exactly the functions the backport wraps for it.
+- 0003 raises its error, or calls its freed-parameter check, in exactly the
+  functions the backport wraps for it.
 """
 
 import inspect
@@ -112,7 +113,11 @@ class PatchMatchesBackportTest(unittest.TestCase):
         self.assertIn("optim_only and not optims", source)
 
     def test_added_definitions_are_identical(self) -> None:
-        for name in ("_FSDP2_TO_SHARDED_HOOK", "_unowned_optim_param_error"):
+        for name in (
+            "_FSDP2_TO_SHARDED_HOOK",
+            "_unowned_optim_param_error",
+            "_verify_optim_params_allocated",
+        ):
             with self.subTest(name=name):
                 self.assertEqual(_added_definition(name), _backport_definition(name))
 
@@ -120,7 +125,9 @@ class PatchMatchesBackportTest(unittest.TestCase):
         raising = {
             function
             for function, text in _added_blocks(PATCHES[2])
-            if "raise _unowned_optim_param_error(" in text
+            if not text.startswith("def ")
+            and ("raise _unowned_optim_param_error(" in text
+                 or "_verify_optim_params_allocated(optim)" in text)
         }
         self.assertEqual(raising, set(backport._WRAPPERS) - {backport._TARGET_NAME})
 
