@@ -162,20 +162,35 @@ def int_keyed_worker() -> dict[str, str]:
 def optim_built_after_eval_worker() -> dict[str, str]:
     """The optimizer captures the root group's unsharded params after an evaluation."""
 
-    def run(_label: str) -> str:
-        model, _, _ = build(CASES["root_none"])
+    def run_case(trained: bool) -> str:
+        model, optims, _ = build(CASES["root_none"])
+        saved = clone(get_optimizer_state_dict(model, optims))
         evaluate(model)
         optims = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
-        train_step(model, optims, 0)
-        evaluate(model)
+        if trained:
+            train_step(model, optims, 0)
+            evaluate(model)
         n_params = sum(len(group["params"]) for group in optims[0].param_groups)
         try:
             osd = get_optimizer_state_dict(model, optims)
         except ValueError as err:
-            return f"ValueError: {err}"
-        return f"ok, state for {len(osd['state'])} of {n_params} optimizer params"
+            get = f"ValueError: {err}"
+        else:
+            get = f"ok, state for {len(osd['state'])} of {n_params} optimizer params"
+        # Never stepped, DSD's zero-grad step() would write to freed parameters.
+        load = outcome_of(lambda: set_optimizer_state_dict(model, optims, clone(saved)))
+        int_keyed = clone(optims[0].state_dict())
+        load_int_keyed = outcome_of(
+            lambda: set_optimizer_state_dict(model, optims, int_keyed)
+        )
+        return f"get: {get}\nset: {load}\nset int-keyed: {load_int_keyed}"
 
-    return unpatched_then_patched(run)
+    return unpatched_then_patched(
+        lambda _label: "\n".join(
+            f"{name}: {run_case(trained)}"
+            for name, trained in (("never stepped", False), ("trained", True))
+        )
+    )
 
 
 def _agreed(fn) -> dict:
@@ -221,8 +236,20 @@ FSDP2 model: ok, restored exactly""")
 
     def test_optimizer_built_after_an_evaluation(self) -> None:
         result = _agreed(optim_built_after_eval_worker)
-        self.assertExpectedInline(result["unpatched"], """ok, state for 8 of 12 optimizer params""")
-        self.assertExpectedInline(result["patched"], """ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (16, 8). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.""")
+        self.assertExpectedInline(result["unpatched"], """\
+never stepped: get: ok, state for 12 of 12 optimizer params
+set: ok
+set int-keyed: ok
+trained: get: ok, state for 8 of 12 optimizer params
+set: ok
+set int-keyed: ok""")
+        self.assertExpectedInline(result["patched"], """\
+never stepped: get: ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (16, 8). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
+set: ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (16, 8). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
+set int-keyed: ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (16, 8). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
+trained: get: ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (16, 8). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
+set: ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (16, 8). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
+set int-keyed: ok""")
 
 
 if __name__ == "__main__":
