@@ -41,12 +41,12 @@ class BenchmarkSmokeTest(expecttest.TestCase):
             """\
 bench.json, bench.md, overhead.png
 command, machine, results, status, torch
-after_eval, calls, fix_fraction_of_get_optimizer_state_dict, fix_us, fsdp_modules, mechanism_us_per_fsdp_module, modules, params
-fix, optim_param_lookup, reshard_fsdp_modules, reshard_prepared, skip_sharded_private, state_dict, walk
+after_eval, calls, fix_to_plain_loop, fsdp_modules, mechanism_us_per_fsdp_module, modules, params, series_fraction_of_get_optimizer_state_dict, series_us
+fix, optim_check, plain_loop, state_dict
 get_optimizer_state_dict, get_state_dict, set_optimizer_state_dict
 median, p25, p75
 get_optimizer_state_dict_ms, get_optimizer_state_dict_ratio_to_nothing_unsharded, next_forward_us_after_reshard, next_forward_us_root_unsharded, reshard_us
-after_eval, checkpoint, fix_fraction_of_checkpoint, fix_us, fix_us_per_module, fsdp_modules, mechanism_us_per_fsdp_module, modules, params
+after_eval, checkpoint, fix_to_plain_loop, fsdp_modules, mechanism_us_per_fsdp_module, modules, params, series_fraction_of_checkpoint, series_us
 checkpoint_ms, checkpoint_ratio_to_nothing_unsharded
 layers: 4 FSDP modules, 6 modules
 lm: 3 FSDP modules, 29 modules""",
