@@ -1,17 +1,32 @@
-"""The test suite once per tested torch release: ``nox`` runs them all.
+"""The test suite once per tested torch release, and twinkle's tests: ``nox`` runs them all.
 
 ``nox -s "tests(torch='2.13.0')"`` runs one. Each session installs that torch
 (CUDA builds run on the CPU) and this package with its ``test`` extra into its
-own virtualenv, then runs pytest; arguments after ``--`` go to pytest.
+own virtualenv, then runs pytest; arguments after ``--`` go to pytest. The
+``twinkle`` session installs the ``twinkle`` extra instead (its pins conflict
+with the ``test`` extra's) and runs ``test/test_twinkle.py``.
 """
 
 import nox
 
 
-# 2.10.0 is the primary target; 2.15.0 the newest release.
-TORCH_VERSIONS = ["2.10.0", "2.13.0", "2.15.0"]
+# 2.10.0 is the primary target; 2.15.0 the newest release; 2.7.1 the release
+# twinkle's Ascend documentation pins (torch_npu 2.7.1).
+TORCH_VERSIONS = ["2.7.1", "2.10.0", "2.13.0", "2.15.0"]
 # The Lightning and torchtitan tests run on this release only (CI time).
 FRAMEWORKS_TORCH = "2.13.0"
+# On 2.7 fully_shard rejects reshard_after_forward=None, which the rest of the
+# suite builds its root with; test_torch27.py covers 2.7's own cases.
+TORCH_27_TESTS = [
+    "test/test_torch27.py",
+    "test/test_api.py",
+    "test/test_vendoring.py",
+    "test/test_patch_matches_backport.py",
+    "test/test_diagnose.py",
+    "test/test_unaffected_models.py",
+    "test/test_accelerate.py",
+    "test/test_transformers_trainer.py",
+]
 
 nox.options.reuse_existing_virtualenvs = True
 
@@ -22,4 +37,11 @@ def tests(session: nox.Session, torch: str) -> None:
     # Some machines cap pip at an older torch through a constraints file.
     extras = "test,frameworks" if torch == FRAMEWORKS_TORCH else "test"
     session.install(f"torch=={torch}", f".[{extras}]", env={"PIP_CONSTRAINT": "/dev/null"})
-    session.run("python", "-m", "pytest", *(session.posargs or ["-q"]))
+    default = ["-q", *TORCH_27_TESTS] if torch.startswith("2.7.") else ["-q"]
+    session.run("python", "-m", "pytest", *(session.posargs or default))
+
+
+@nox.session
+def twinkle(session: nox.Session) -> None:
+    session.install("torch==2.13.0", ".[twinkle]", env={"PIP_CONSTRAINT": "/dev/null"})
+    session.run("python", "-m", "pytest", *(session.posargs or ["-q", "test/test_twinkle.py"]))
