@@ -21,7 +21,7 @@ does not own, a ``ValueError`` names it and its likely cause instead, and so
 that the same error, not a crash, meets a never-stepped optimizer whose
 parameters' memory FSDP2 has freed.
 
-Targets torch 2.8 to 2.15 (``_SUPPORTED``). The same change is proposed
+Targets torch 2.7 to 2.15 (``_SUPPORTED``). The same change is proposed
 upstream (``torch_patch/`` in this project). Vendor as-is: this file needs only
 the standard library and torch, and importing it changes nothing.
 
@@ -66,7 +66,7 @@ _TARGET_MODULE = "torch.distributed.checkpoint.state_dict"
 _TARGET_NAME = "_verify_options"
 _TARGET_PARAMS = ("model", "optims", "optim_only", "submodules", "options")
 # Releases measured to have the bug and the function shape patched here.
-_SUPPORTED = ((2, 8), (2, 15))
+_SUPPORTED = ((2, 7), (2, 15))
 # Breakpoint: no torch release contains the fix yet. In a torch carrying it (a
 # release, or one with torch_patch/ applied) _verify_options calls reshard().
 _FIX_ARTIFACT = "reshard"

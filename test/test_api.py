@@ -125,14 +125,14 @@ class SupportGateTest(expecttest.TestCase):
 
     def test_too_old(self) -> None:
         self.assertExpectedInline(
-            self._error("2.7.1+cu126", dsd),
-            """torch 2.7.1+cu126 is not supported by this backport (supported: torch 2.8 to 2.15); install a supported torch, or check whether your torch already fixes FSDP2 optimizer state dicts after evaluation and drop the backport.""",
+            self._error("2.6.0+cu124", dsd),
+            """torch 2.6.0+cu124 is not supported by this backport (supported: torch 2.7 to 2.15); install a supported torch, or check whether your torch already fixes FSDP2 optimizer state dicts after evaluation and drop the backport.""",
         )
 
     def test_too_new(self) -> None:
         self.assertExpectedInline(
             self._error("2.16.0", dsd),
-            """torch 2.16.0 is not supported by this backport (supported: torch 2.8 to 2.15); install a supported torch, or check whether your torch already fixes FSDP2 optimizer state dicts after evaluation and drop the backport.""",
+            """torch 2.16.0 is not supported by this backport (supported: torch 2.7 to 2.15); install a supported torch, or check whether your torch already fixes FSDP2 optimizer state dicts after evaluation and drop the backport.""",
         )
 
     def test_changed_signature(self) -> None:
@@ -141,14 +141,14 @@ class SupportGateTest(expecttest.TestCase):
 
         self.assertExpectedInline(
             self._error("2.13.0", _module_with(_verify_options)),
-            """torch 2.13.0 changed torch.distributed.checkpoint.state_dict._verify_options (expected parameters ('model', 'optims', 'optim_only', 'submodules', 'options'), found ('model', 'optims', 'options')); this backport supports torch 2.8 to 2.15 as released.""",
+            """torch 2.13.0 changed torch.distributed.checkpoint.state_dict._verify_options (expected parameters ('model', 'optims', 'optim_only', 'submodules', 'options'), found ('model', 'optims', 'options')); this backport supports torch 2.7 to 2.15 as released.""",
         )
 
     def test_missing_function(self) -> None:
         module = types.ModuleType("fake_state_dict")
         self.assertExpectedInline(
             self._error("2.13.0", module),
-            """torch 2.13.0 has no torch.distributed.checkpoint.state_dict._verify_options; this backport supports torch 2.8 to 2.15 as released.""",
+            """torch 2.13.0 has no torch.distributed.checkpoint.state_dict._verify_options; this backport supports torch 2.7 to 2.15 as released.""",
         )
 
     def test_torch_with_the_fix_needs_nothing(self) -> None:
