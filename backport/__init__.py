@@ -222,8 +222,9 @@ def _wrap_init_optim_state(init_optim_state: Callable) -> Callable:
     # 0003 checks right before the zero-grad step(), after the early returns.
     @functools.wraps(init_optim_state)
     def _init_optim_state(optim):
-        params = [param for group in optim.param_groups for param in group[_PARAMS]]
-        if not optim.state and all(param.grad is None for param in params):
+        if not optim.state and all(
+            param.grad is None for group in optim.param_groups for param in group[_PARAMS]
+        ):
             _verify_optim_params_allocated(optim)
         return init_optim_state(optim)
 
