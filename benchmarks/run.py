@@ -179,9 +179,9 @@ def _interleaved(fn, repeats: int, number: int, setup: str = "pass") -> dict[str
 
 def _mechanisms(model, optim) -> dict:
     """What the series runs per call with nothing unsharded, and what it is held to."""
-    from torch.distributed.fsdp import FSDPModule
-
     from itertools import chain
+
+    from torch.distributed.fsdp import FSDPModule
 
     osd = optim.state_dict()
     params = [param for group in optim.param_groups for param in group["params"]]
@@ -211,9 +211,8 @@ def _mechanisms(model, optim) -> dict:
     }
 
 
-def _fix_to_plain_loop(model, optim, repeats: int, number: int) -> dict[str, float]:
+def _fix_to_plain_loop(mechanisms: dict, repeats: int, number: int) -> dict[str, float]:
     """Per-pair ratios of the fix to the plain loop, alternating which goes first."""
-    mechanisms = _mechanisms(model, optim)
     ratios = []
     for rep in range(repeats):
         pair = {}
@@ -223,21 +222,14 @@ def _fix_to_plain_loop(model, optim, repeats: int, number: int) -> dict[str, flo
     return _quartiles(ratios)
 
 
-def _mechanism_costs(model, optim, n_fsdp: int) -> dict[str, float]:
-    number = max(1, 20000 // n_fsdp)
-    return {
-        name: _best(fn, number) * 1e6 / n_fsdp for name, fn in _mechanisms(model, optim).items()
-    }
-
-
 def _series_costs(model, optim, n_fsdp: int, repeats: int) -> dict[str, object]:
     """The mechanisms' µs per FSDP module, the fix/plain-loop ratio, the series' µs per call."""
-    per_module = _mechanism_costs(model, optim, n_fsdp)
+    mechanisms = _mechanisms(model, optim)
+    number = max(1, 20000 // n_fsdp)
+    per_module = {name: _best(fn, number) * 1e6 / n_fsdp for name, fn in mechanisms.items()}
     return {
         "mechanism_us_per_fsdp_module": per_module,
-        "fix_to_plain_loop": _fix_to_plain_loop(
-            model, optim, repeats, max(1, 20000 // n_fsdp)
-        ),
+        "fix_to_plain_loop": _fix_to_plain_loop(mechanisms, repeats, number),
         # What every call pays: the reshard block and one optimizer check.
         "series_us": (per_module["fix"] + per_module["optim_check"]) * n_fsdp,
     }
