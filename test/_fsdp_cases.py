@@ -486,6 +486,16 @@ def render_outcomes(results: dict[str, dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def run_agreed(world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on ``world_size`` ranks; every rank's result must equal rank 0's."""
+    from backport._launch import run_ranks
+
+    results = run_ranks(world_size, fn, *args)
+    for rank, result in enumerate(results):
+        assert result == results[0], f"rank {rank} disagrees with rank 0"
+    return results[0]
+
+
 def unpatched_then_patched(run: Callable[[str], Any]) -> dict[str, Any]:
     """``run(label)`` on torch as installed, then with the backport, keyed by label."""
     results = {"unpatched": run("unpatched")}

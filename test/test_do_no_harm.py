@@ -24,11 +24,11 @@ from _fsdp_cases import (
     get_model_state_dict,
     get_optimizer_state_dict,
     outcome_of,
+    run_agreed,
     set_optimizer_state_dict,
     train_step,
     unpatched_then_patched,
 )
-from backport._launch import run_ranks
 
 
 class PlainRoot(nn.Module):
@@ -193,16 +193,9 @@ def optim_built_after_eval_worker() -> dict[str, str]:
     )
 
 
-def _agreed(fn) -> dict:
-    results = run_ranks(2, fn)
-    for rank, result in enumerate(results):
-        assert result == results[0], f"rank {rank} disagrees with rank 0"
-    return results[0]
-
-
 class DoNoHarmTest(expecttest.TestCase):
     def test_patched_state_dict_on_a_hooked_plain_root(self) -> None:
-        result = _agreed(patched_state_dict_worker)
+        result = run_agreed(2, patched_state_dict_worker)
         self.assertExpectedInline(result["unpatched"], """\
 plain model: state_dict ok, get_model ok, get_optim ok
 plain root over FSDP2: state_dict ok, get_model ok, get_optim ok
@@ -213,7 +206,7 @@ plain root over FSDP2: state_dict ok, get_model ok, get_optim ok
 plain root over FSDP2, after eval: state_dict ok, get_model ok, get_optim ok""")
 
     def test_user_hook_call_counts(self) -> None:
-        result = _agreed(hook_counts_worker)
+        result = run_agreed(2, hook_counts_worker)
         self.assertEqual(result["patched"], result["unpatched"])
         self.assertExpectedInline(result["unpatched"]["plain model"], """\
 get_model ok: root pre=1 post=1 load_pre=0, head pre=1 post=1 load_pre=0
@@ -228,14 +221,14 @@ set_state ok: root pre=1 post=1 load_pre=1, head pre=1 post=1 load_pre=1""")
         )
 
     def test_int_keyed_optimizer_state_dict_with_a_param_outside_the_model(self) -> None:
-        result = _agreed(int_keyed_worker)
+        result = run_agreed(2, int_keyed_worker)
         self.assertEqual(result["patched"], result["unpatched"])
         self.assertExpectedInline(result["unpatched"], """\
 plain model: ok, restored exactly
 FSDP2 model: ok, restored exactly""")
 
     def test_optimizer_built_after_an_evaluation(self) -> None:
-        result = _agreed(optim_built_after_eval_worker)
+        result = run_agreed(2, optim_built_after_eval_worker)
         self.assertExpectedInline(result["unpatched"], """\
 never stepped: get: ok, state for 12 of 12 optimizer params
 set: ok

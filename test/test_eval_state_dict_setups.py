@@ -20,10 +20,10 @@ from _fsdp_cases import (
     build,
     get_model_state_dict,
     render_outcomes,
+    run_agreed,
     run_case,
     unpatched_then_patched,
 )
-from backport._launch import run_ranks
 
 
 FULL = (("full_state_dict", True),)
@@ -73,16 +73,9 @@ def setups_worker(setups: dict[str, Case]) -> dict[str, str]:
     }
 
 
-def _agreed(world_size: int, setups: dict[str, Case]) -> dict[str, str]:
-    results = run_ranks(world_size, setups_worker, setups)
-    for rank, result in enumerate(results):
-        assert result == results[0], f"rank {rank} disagrees with rank 0"
-    return results[0]
-
-
 class EvalStateDictSetupsTest(expecttest.TestCase):
     def test_setups_world_size_2(self) -> None:
-        result = _agreed(2, SETUPS)
+        result = run_agreed(2, setups_worker, SETUPS)
         self.assertExpectedInline(result["before"], """\
 frozen_root_group: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
 frozen_root_group_full: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
@@ -122,7 +115,7 @@ checkpoint_wrapper: FQNs same as the unwrapped model
 compile: FQNs same as the unwrapped model""")
 
     def test_reshard_after_forward_int_frozen_world_size_4(self) -> None:
-        result = _agreed(4, INT_FROZEN_SETUPS)
+        result = run_agreed(4, setups_worker, INT_FROZEN_SETUPS)
         self.assertExpectedInline(result["before"], """\
 raf_int_frozen: get_optim -> KeyError: 0
 raf_int_frozen: set_optim, set_state -> KeyError: <DTensor>

@@ -16,7 +16,14 @@ import unittest
 import expecttest
 import torch
 
-from _fsdp_cases import Case, build, render_outcomes, run_case, unpatched_then_patched
+from _fsdp_cases import (
+    Case,
+    build,
+    render_outcomes,
+    run_agreed,
+    run_case,
+    unpatched_then_patched,
+)
 from backport._launch import run_ranks
 
 
@@ -56,9 +63,8 @@ def root_none_worker() -> dict[str, str]:
 @unittest.skipUnless(IS_TORCH_27, "torch 2.7 only (nox: tests(torch='2.7.1'))")
 class Torch27Test(expecttest.TestCase):
     def test_every_root_group_stays_unsharded(self) -> None:
-        results = run_ranks(2, torch27_worker)
-        self.assertEqual(results[1], results[0])
-        self.assertExpectedInline(results[0]["unpatched"], """\
+        result = run_agreed(2, torch27_worker)
+        self.assertExpectedInline(result["unpatched"], """\
 root_true: get_optim -> KeyError: 0
 root_true: set_optim, set_state -> KeyError: <DTensor>
 root_false: get_optim -> KeyError: 0
@@ -76,7 +82,7 @@ full_state_dict_root_true: set_optim, set_state -> KeyError: <DTensor>
 full_state_dict_root_true: set_model -> RuntimeError: Error(s) in loading state_dict for FSDPTinyLM:
 unshard_root_true: get_optim -> KeyError: 0
 unshard_root_true: set_optim, set_state -> KeyError: <DTensor>""")
-        self.assertExpectedInline(results[0]["patched"], """\
+        self.assertExpectedInline(result["patched"], """\
 root_true: all 6 calls ok
 root_false: all 6 calls ok
 blocks_false_root_true: all 6 calls ok

@@ -114,15 +114,15 @@ def _optimizer(model):
     return model.optimizer_group[model._get_default_group()].optimizer
 
 
-def _optimizer_state(model):
+def _optimizer_state(model, optim):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return clone(get_optimizer_state_dict(model.model, _optimizer(model)))
+    return clone(get_optimizer_state_dict(model.model, optim))
 
 
-def _optimizer_params(model) -> str:
+def _optimizer_params(model, optim) -> str:
     names = {id(param): name for name, param in model.model.named_parameters()}
-    params = [param for group in _optimizer(model).param_groups for param in group["params"]]
+    params = [param for group in optim.param_groups for param in group["params"]]
     lora = sum("lora_" in names.get(id(param), "") for param in params)
     return f"{len(params)} params" + (f", {lora} of them LoRA" if lora else "")
 
@@ -133,25 +133,24 @@ def _case(model_dir: str, strategy: str, fsdp_config: dict, lora: bool, tmp: str
     model = _build(model_dir, strategy, fsdp_config, lora)
     model.forward_backward(inputs=_batch(1))
     model.clip_grad_and_step()
-    optimizer = _optimizer_params(model)
-    saved = _optimizer_state(model)
+    # The first forward has wrapped the model and this optimizer for FSDP2.
+    optim = _optimizer(model)
+    optimizer = _optimizer_params(model, optim)
+    saved = _optimizer_state(model, optim)
+    strategy = model.strategy
     # Taken before any evaluation, so a load can be tried where the save fails.
-    model.strategy.save_optimizer_checkpoint(model.model, _optimizer(model), f"{tmp}/before.pt")
+    strategy.save_optimizer_checkpoint(model.model, optim, f"{tmp}/before.pt")
     model.forward_only(inputs=_batch(2))
     save = outcome_of(
-        lambda: model.strategy.save_optimizer_checkpoint(
-            model.model, _optimizer(model), f"{tmp}/after.pt"
-        )
+        lambda: strategy.save_optimizer_checkpoint(model.model, optim, f"{tmp}/after.pt")
     )
     dist.barrier()
     path = f"{tmp}/after.pt" if save == "ok" else f"{tmp}/before.pt"
-    perturb(model.model, [_optimizer(model)])
+    perturb(model.model, [optim])
     model.forward_only(inputs=_batch(3))
-    load = outcome_of(
-        lambda: model.strategy.load_optimizer_checkpoint(model.model, _optimizer(model), path)
-    )
+    load = outcome_of(lambda: strategy.load_optimizer_checkpoint(model.model, optim, path))
     if load == "ok" and dist.get_rank() == 0:
-        diffs = differences(_optimizer_state(model), saved)
+        diffs = differences(_optimizer_state(model, optim), saved)
         load += ", restored exactly" if not diffs else f", differs at {diffs[:3]}"
     return "\n".join([
         f"optimizer: {optimizer}",
