@@ -10,16 +10,18 @@ FQNs: ``get_optimizer_state_dict`` raises ``KeyError: 0``,
 and a full ``set_model_state_dict`` mixes Tensors and DTensors.
 
 ``apply()`` wraps ``torch.distributed.checkpoint.state_dict._verify_options``,
-which all six public state-dict functions call before anything else. Once the
-options are valid, the wrapper calls ``FSDPModule.reshard()`` on every FSDP2
-module in the module passed in (no collective, a no-op on sharded groups) and,
-for a plain module passed in, FSDP2's own state-dict pre-hook on the modules
-below it, which reshards a group owned by an FSDP module above it. Nothing else
-runs: no other hook, no ``state_dict()``. Four more functions are wrapped so
-that where torch raises a bare ``KeyError`` for an optimizer parameter the model
-does not own, a ``ValueError`` names it and its likely cause instead, and so
-that the same error, not a crash, meets a never-stepped optimizer whose
-parameters' memory FSDP2 has freed.
+which all six public state-dict functions call before anything else. It calls
+``FSDPModule.reshard()`` on every FSDP2 module in the module passed in (no
+collective, a no-op on sharded groups) and, for a plain module passed in,
+FSDP2's own state-dict pre-hook on the modules below it, which reshards a group
+owned by an FSDP module above it (this last part is the backport's own; see
+lightning_patch/ for the upstream fix of its caller). Nothing else runs: no
+other hook, no ``state_dict()``. ``_init_optim_state`` is wrapped so that a
+never-stepped optimizer holding a parameter whose storage FSDP2 has freed gets
+a ``ValueError``, not a crash; ``_get_optim_state_dict`` and
+``_load_optim_state_dict`` so that where torch raises a bare ``KeyError`` for an
+optimizer parameter the model does not own, ``OptimizerParamNotInModelError``
+(a ``ValueError`` and a ``KeyError``) names it instead.
 
 Targets torch 2.7 to 2.15 (``_SUPPORTED``). The same change is proposed
 upstream (``torch_patch/`` in this project). Vendor as-is: this file needs only
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackportWarning",
+    "OptimizerParamNotInModelError",
     "UnsupportedTorchError",
     "apply",
     "get_original",
@@ -68,8 +71,8 @@ _TARGET_PARAMS = ("model", "optims", "optim_only", "submodules", "options")
 # Releases measured to have the bug and the function shape patched here.
 _SUPPORTED = ((2, 7), (2, 15))
 # Breakpoint: no torch release contains the fix yet. In a torch carrying it (a
-# release, or one with torch_patch/ applied) _verify_options calls reshard().
-_FIX_ARTIFACT = "reshard"
+# release, or one with torch_patch/ applied) _verify_options calls this helper.
+_FIX_ARTIFACT = "_reshard_fsdp2_modules"
 # Set on the wrapper installed in torch, so every vendored copy agrees.
 _MARKER = "_fsdp2_eval_reshard_backport"
 _PARAMS = "params"
@@ -85,80 +88,128 @@ class BackportWarning(RuntimeWarning):
     """The backport did nothing, and the caller should know why."""
 
 
-# The helpers below are the upstream change in torch_patch/, statement for
-# statement: test/test_patch_matches_backport.py fails if they drift apart.
+class OptimizerParamNotInModelError(ValueError, KeyError):
+    """An optimizer holds a parameter that the model passed in does not own.
 
-# The state_dict pre-hook that FSDP2 registers on each module holding its params.
+    A ``ValueError``, as the upstream change raises, and a ``KeyError``, which
+    torch raises for these inputs: code that catches ``KeyError`` around a DSD
+    call keeps catching it once ``apply()`` is switched on.
+    """
+
+    # KeyError's str() is the repr of its argument: show the message as is.
+    __str__ = BaseException.__str__
+
+
+# The helpers below are torch_patch/'s 0001 (PR A) and 0002 (PR B), statement
+# for statement: test/test_patch_matches_backport.py fails if they drift apart.
+
+
+def _reshard_fsdp2_modules(model: nn.Module) -> None:
+    """
+    Reshard every FSDP2 module in ``model`` (a no-op for sharded ones).
+
+    A forward without backward (e.g. an evaluation under ``torch.no_grad()``)
+    or :meth:`~torch.distributed.fsdp.FSDPModule.unshard` leaves modules with
+    ``reshard_after_forward=False`` or an ``int`` unsharded: the model then
+    holds the unsharded parameters while optimizers hold the sharded DTensors.
+    ``reshard()`` issues no collective; it registers the sharded parameters
+    and frees the unsharded ones.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
+    """
+    Raise if ``optim`` holds a parameter whose storage has been freed.
+
+    An optimizer built while FSDP2 modules were unsharded holds their unsharded
+    parameters, whose storage ``reshard()`` frees; ``step()`` on one writes to
+    freed memory. Best effort: layouts without storage (sparse, mkldnn) and
+    tensor subclasses (DTensor, whose storage is a placeholder) are skipped, so
+    freed inner storage of a subclass is not detected.
+    """
+    import torch
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    for group_idx, param_group in enumerate(optim.param_groups):
+        for param_idx, param in enumerate(param_group[_PARAMS]):
+            if (
+                not param.requires_grad
+                or param.layout != torch.strided
+                or is_traceable_wrapper_subclass(param)
+                or param.numel() == 0
+            ):
+                continue
+            if param.untyped_storage().size() == 0:
+                raise ValueError(
+                    f"{type(optim).__name__} param_groups[{group_idx}]['params']"
+                    f"[{param_idx}] (shape {tuple(param.shape)}) has no allocated "
+                    "storage, e.g. an FSDP2 unsharded parameter freed by reshard(), "
+                    "so the optimizer cannot be stepped to initialize its state. "
+                    "Build the optimizer from model.parameters() right after "
+                    "fully_shard()."
+                )
+
+
+def _unowned_optim_param_error(
+    model: nn.Module, optim: torch.optim.Optimizer, param: torch.Tensor
+) -> OptimizerParamNotInModelError:
+    """Return the error for an optimizer parameter that ``model`` does not own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    where = next(
+        (
+            f"param_groups[{group_idx}]['params'][{param_idx}]"
+            for group_idx, param_group in enumerate(optim.param_groups)
+            for param_idx, group_param in enumerate(param_group[_PARAMS])
+            if group_param is param
+        ),
+        "<unknown>",
+    )
+    msg = (
+        f"{type(optim).__name__} holds a parameter that the model does not own: "
+        f"{where} ({type(param).__name__} of shape {tuple(param.shape)}). Pass "
+        "the model that owns every parameter of the optimizer."
+    )
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        msg += (
+            " An optimizer built while FSDP2 modules were unsharded (after a "
+            "forward without backward, or FSDPModule.unshard()) holds parameters "
+            "that FSDP2 has replaced since: build it from model.parameters() "
+            "right after fully_shard()."
+        )
+    return OptimizerParamNotInModelError(msg)
+
+
+# Backport only, not proposed to PyTorch (DSD must not depend on FSDP2's
+# private names; the Lightning change in lightning_patch/ fixes its caller):
+# the state_dict pre-hook that FSDP2 registers on each module holding its params.
 _FSDP2_TO_SHARDED_HOOK = (
     "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
 )
 
 
-def _reshard_fsdp2_modules(model: nn.Module) -> None:
-    """What 0001 and 0002 add to ``_verify_options`` once the options are valid."""
+def _reshard_fsdp2_groups_of_plain_module(model: nn.Module) -> None:
+    """Reshard the FSDP2 groups above a plain ``model`` that own its parameters.
+
+    Lightning Fabric's full-checkpoint load passes leaf modules that sit in
+    the root's group; no FSDPModule is found below them. FSDP2's own
+    state_dict pre-hook on each module reshards the group owning its
+    parameters, without a collective. No other hook runs.
+    """
     from torch.distributed.fsdp import FSDPModule
 
-    # A forward without backward (e.g. an evaluation under torch.no_grad()) or
-    # FSDPModule.unshard() leaves FSDP2 parameters unsharded while optimizers
-    # hold the sharded ones. reshard() issues no collective.
+    if isinstance(model, FSDPModule):
+        return
     for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-    if not isinstance(model, FSDPModule):
-        # A submodule passed in can hold parameters of an FSDPModule above it,
-        # which only FSDP2's state_dict pre-hook on the submodule reaches.
-        for module in model.modules():
-            for hook in module._state_dict_pre_hooks.values():
-                if getattr(hook, "__qualname__", None) == _FSDP2_TO_SHARDED_HOOK:
-                    hook(module, "", True)
-
-
-def _unowned_optim_param_error(
-    optim: torch.optim.Optimizer, param: torch.Tensor
-) -> ValueError:
-    """Return the error for an optimizer parameter that the model does not own."""
-    where = next(
-        f"param_groups[{group_idx}]['params'][{param_idx}]"
-        for group_idx, param_group in enumerate(optim.param_groups)
-        for param_idx, group_param in enumerate(param_group[_PARAMS])
-        if group_param is param
-    )
-    return ValueError(
-        f"{type(optim).__name__} holds a parameter that the model does not own: "
-        f"{where}, {type(param).__name__} of shape {tuple(param.shape)}. Likely "
-        "causes: the optimizer was built while FSDP2 modules were unsharded "
-        "(after a forward without backward, or FSDPModule.unshard()), so it "
-        "holds parameters that FSDP2 has replaced since; or the parameter "
-        "belongs to another module. Build the optimizer from model.parameters() "
-        "right after fully_shard(), and pass the model that owns all of its "
-        "parameters."
-    )
-
-
-def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
-    """Raise if ``optim`` holds a parameter whose memory has been freed.
-
-    An optimizer built while FSDP2 modules were unsharded holds their unsharded
-    parameters, whose memory ``reshard()`` frees: ``step()`` on one crashes.
-    """
-    for param_group in optim.param_groups:
-        for param in param_group[_PARAMS]:
-            freed = param.numel() > 0 and param.untyped_storage().size() == 0
-            if param.requires_grad and freed:
-                raise _unowned_optim_param_error(optim, param)
-
-
-def _options_are_valid(
-    optims: tuple[torch.optim.Optimizer, ...],
-    optim_only: bool,
-    options: StateDictOptions | None,
-) -> bool:
-    """Whether ``_verify_options`` accepts these; it raises its own error if not."""
-    if optim_only and not optims:
-        return False
-    return not (
-        options is not None and options.broadcast_from_rank0 and not options.full_state_dict
-    )
+        for hook in module._state_dict_pre_hooks.values():
+            if getattr(hook, "__qualname__", None) == _FSDP2_TO_SHARDED_HOOK:
+                # keep_vars is unused by the hook; True skips nothing.
+                hook(module, "", True)
 
 
 def _wrap_verify_options(verify_options: Callable) -> Callable:
@@ -171,9 +222,10 @@ def _wrap_verify_options(verify_options: Callable) -> Callable:
         submodules: set[nn.Module] | None = None,
         options: StateDictOptions | None = None,
     ) -> _StateDictInfo:
-        # 0001 reshards after the option checks: an invalid call changes nothing.
-        if _options_are_valid(optims, optim_only, options):
+        # 0001 reshards after this check, which the original raises for.
+        if optims or not optim_only:
             _reshard_fsdp2_modules(model)
+            _reshard_fsdp2_groups_of_plain_module(model)
         return verify_options(
             model, optims, optim_only, submodules=submodules, options=options
         )
@@ -182,7 +234,7 @@ def _wrap_verify_options(verify_options: Callable) -> Callable:
 
 
 def _wrap_get_optim_state_dict(get_optim_state_dict: Callable) -> Callable:
-    # 0003 raises where this function's pid -> FQN lookup raises KeyError(pid).
+    # 0002 raises where this function's pid -> FQN lookups raise KeyError(pid).
     @functools.wraps(get_optim_state_dict)
     def _get_optim_state_dict(model, optimizers, info):
         try:
@@ -195,31 +247,33 @@ def _wrap_get_optim_state_dict(get_optim_state_dict: Callable) -> Callable:
             for optim in optimizers:
                 params = [p for group in optim.param_groups for p in group[_PARAMS]]
                 if 0 <= pid < len(params) and id(params[pid]) not in owned:
-                    raise _unowned_optim_param_error(optim, params[pid]) from err
+                    raise _unowned_optim_param_error(model, optim, params[pid]) from err
             raise
 
     return _get_optim_state_dict
 
 
-def _wrap_param_to_fqns(split_or_unflatten: Callable, optim_arg: int) -> Callable:
-    # 0003 raises where info.fqn_param_mapping[param] raises KeyError(param).
-    @functools.wraps(split_or_unflatten)
-    def wrapper(*args):
+def _wrap_load_optim_state_dict(load_optim_state_dict: Callable) -> Callable:
+    # 0002 raises where _split_optim_state_dict and _unflatten_optim_state_dict,
+    # called from here, look a param up in info.fqn_param_mapping: KeyError(param).
+    @functools.wraps(load_optim_state_dict)
+    def _load_optim_state_dict(model, optimizers, state_dict, info):
         try:
-            return split_or_unflatten(*args)
+            return load_optim_state_dict(model, optimizers, state_dict, info)
         except KeyError as err:
-            optim, info = args[optim_arg], args[-1]
-            params = (p for group in optim.param_groups for p in group[_PARAMS])
-            unowned = next((p for p in params if p not in info.fqn_param_mapping), None)
-            if unowned is None or len(err.args) != 1 or err.args[0] is not unowned:
-                raise
-            raise _unowned_optim_param_error(optim, unowned) from err
+            missing = err.args[0] if len(err.args) == 1 else None
+            for optim in optimizers:
+                params = (p for group in optim.param_groups for p in group[_PARAMS])
+                unowned = next((p for p in params if p not in info.fqn_param_mapping), None)
+                if unowned is not None and missing is unowned:
+                    raise _unowned_optim_param_error(model, optim, unowned) from err
+            raise
 
-    return wrapper
+    return _load_optim_state_dict
 
 
 def _wrap_init_optim_state(init_optim_state: Callable) -> Callable:
-    # 0003 checks right before the zero-grad step(), after the early returns.
+    # 0001 checks right before the zero-grad step(), after the early returns.
     @functools.wraps(init_optim_state)
     def _init_optim_state(optim):
         if not optim.state and all(
@@ -234,10 +288,9 @@ def _wrap_init_optim_state(init_optim_state: Callable) -> Callable:
 # name in the target module -> wrapper factory for the function found there
 _WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     _TARGET_NAME: _wrap_verify_options,
-    "_get_optim_state_dict": _wrap_get_optim_state_dict,
-    "_split_optim_state_dict": lambda fn: _wrap_param_to_fqns(fn, optim_arg=1),
-    "_unflatten_optim_state_dict": lambda fn: _wrap_param_to_fqns(fn, optim_arg=0),
     "_init_optim_state": _wrap_init_optim_state,
+    "_get_optim_state_dict": _wrap_get_optim_state_dict,
+    "_load_optim_state_dict": _wrap_load_optim_state_dict,
 }
 
 

@@ -250,22 +250,22 @@ def clone(tree: Any) -> Any:
     return tree
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict):
         out: dict[str, Any] = {}
         for key, value in tree.items():
-            out.update(_flat(value, f"{prefix}/{key}"))
+            out.update(flat(value, f"{prefix}/{key}"))
         return out
     if isinstance(tree, (list, tuple)):
         out = {}
         for idx, value in enumerate(tree):
-            out.update(_flat(value, f"{prefix}[{idx}]"))
+            out.update(flat(value, f"{prefix}[{idx}]"))
         return out
     return {prefix: tree}
 
 
 def count_tensors(tree: Any) -> int:
-    return sum(isinstance(value, torch.Tensor) for value in _flat(tree).values())
+    return sum(isinstance(value, torch.Tensor) for value in flat(tree).values())
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -278,7 +278,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def differences(actual: Any, expected: Any) -> list[str]:
     """Paths where two state dicts differ; tensors are compared exactly."""
-    flat_a, flat_e = _flat(actual), _flat(expected)
+    flat_a, flat_e = flat(actual), flat(expected)
     diffs = sorted(set(flat_a) ^ set(flat_e))
     for path in sorted(set(flat_a) & set(flat_e)):
         a, e = flat_a[path], flat_e[path]

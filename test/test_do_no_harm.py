@@ -6,6 +6,7 @@ cases ("after eval") must fail on stock torch and pass with the fix.
 """
 
 import unittest
+from typing import Any
 
 import expecttest
 import torch
@@ -19,13 +20,18 @@ from _fsdp_cases import (
     TinyLM,
     build,
     clone,
+    describe_error,
     differences,
+    flat,
     evaluate,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     outcome_of,
     run_agreed,
+    set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
     train_step,
     unpatched_then_patched,
 )
@@ -193,6 +199,113 @@ def optim_built_after_eval_worker() -> dict[str, str]:
     )
 
 
+def _render_storageless(tree: Any) -> tuple[str, str]:
+    """(every value, exactly; a summary to pin) of a state dict with sparse tensors.
+
+    The summary names tensors and their non-strided layouts and the params of
+    each param group, leaving out values and hyperparameters, which differ
+    between torch releases.
+    """
+    exact, summary = [], []
+    for path, value in sorted(flat(tree).items()):
+        if isinstance(value, torch.Tensor):
+            layout = str(value.layout).removeprefix("torch.")
+            dense = value.to_dense() if value.layout != torch.strided else value
+            exact.append(f"{path}: {layout} {dense.tolist()}")
+            summary.append(path if value.layout == torch.strided else f"{path} {layout}")
+        else:
+            exact.append(f"{path}: {value!r}")
+            if "/params[" in path:
+                summary.append(f"{path}={value}")
+    return "; ".join(exact), ", ".join(summary)
+
+
+class SparseGraphModel(nn.Module):
+    """A frozen CSR adjacency matrix, a trainable COO embedding, a dense layer."""
+
+    def __init__(self, coo_trainable: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.adj = nn.Parameter(torch.eye(3).to_sparse_csr(), requires_grad=False)
+        self.coo = nn.Parameter(
+            torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (3,)), requires_grad=coo_trainable
+        )
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.sparse.mm(self.adj, x))
+
+
+def _storageless_setup(name: str):
+    """(model, optimizer, FQN-keyed optimizer state to load) for one setup."""
+    if name == "sparse COO param, fresh SGD":
+        model = SparseGraphModel(coo_trainable=True)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), None
+    if name == "frozen sparse params, resumed into a fresh Adam":
+        trained = SparseGraphModel(coo_trainable=False)
+        optim = torch.optim.Adam(trained.parameters(), lr=0.1)
+        trained(torch.ones(3, 3)).sum().backward()
+        optim.step()
+        saved = clone(get_optimizer_state_dict(trained, optim))
+        model = SparseGraphModel(coo_trainable=False)
+        return model, torch.optim.Adam(model.parameters(), lr=0.1), saved
+    # Stateless SGD keeps no state, so DSD steps it on every call.
+    model = SparseGraphModel(coo_trainable=False)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(3, 3)).sum().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return model, optim, clone(get_optimizer_state_dict(model, optim))
+
+
+STORAGELESS_SETUPS = (
+    "sparse COO param, fresh SGD",
+    "frozen sparse params, resumed into a fresh Adam",
+    "stateless SGD after zero_grad(set_to_none=True)",
+)
+
+
+def _storageless_outcomes(name: str) -> list[str]:
+    """The six calls on one setup: each result rendered, or its error."""
+    def calls(model, optims, saved_model, saved_optim):
+        return {
+            "get_model": lambda: get_model_state_dict(model),
+            "get_optim": lambda: get_optimizer_state_dict(model, optims),
+            "get_state": lambda: get_state_dict(model, optims),
+            "set_model": lambda: set_model_state_dict(model, saved_model),
+            "set_optim": lambda: set_optimizer_state_dict(model, optims, saved_optim),
+            "set_state": lambda: set_state_dict(
+                model, optims, model_state_dict=saved_model, optim_state_dict=saved_optim
+            ),
+        }
+
+    lines = []
+    for call_name in calls(*[None] * 4):
+        model, optim, saved_optim = _storageless_setup(name)
+        saved_model = clone(model.state_dict())
+        if saved_optim is None:
+            saved_optim = {"state": {}, "param_groups": [{**optim.param_groups[0], "params": [
+                fqn for fqn, _ in model.named_parameters()
+            ]}]}
+        call = calls(model, [optim], clone(saved_model), clone(saved_optim))[call_name]
+        try:
+            result = call()
+        except Exception as err:  # noqa: BLE001 - compared with stock torch
+            lines.append(f"{call_name}: {describe_error(err).splitlines()[0]}")
+            continue
+        if call_name.startswith("set_"):
+            result = (model.state_dict(), optim.state_dict())
+        exact, summary = _render_storageless(result)
+        lines.append(f"{call_name}: ok, {summary}\n    exact: {exact}")
+    return lines
+
+
+def storageless_params_worker() -> dict[str, dict[str, list[str]]]:
+    return unpatched_then_patched(
+        lambda _label: {name: _storageless_outcomes(name) for name in STORAGELESS_SETUPS}
+    )
+
+
 class DoNoHarmTest(expecttest.TestCase):
     def test_patched_state_dict_on_a_hooked_plain_root(self) -> None:
         result = run_agreed(2, patched_state_dict_worker)
@@ -227,6 +340,38 @@ set_state ok: root pre=1 post=1 load_pre=1, head pre=1 post=1 load_pre=1""")
 plain model: ok, restored exactly
 FSDP2 model: ok, restored exactly""")
 
+    def test_sparse_parameters(self) -> None:
+        result = run_agreed(2, storageless_params_worker)
+        self.assertEqual(result["patched"], result["unpatched"])
+        self.assertExpectedInline(
+            "\n".join(
+                f"{name}:\n  " + "\n  ".join(line.split("\n")[0] for line in lines)
+                for name, lines in result["unpatched"].items()
+            ),
+            """\
+sparse COO param, fresh SGD:
+  get_model: ok, /adj sparse_csr, /coo sparse_coo, /lin.bias, /lin.weight
+  get_optim: ok, /param_groups[0]/params[0]=adj, /param_groups[0]/params[1]=coo, /param_groups[0]/params[2]=lin.weight, /param_groups[0]/params[3]=lin.bias
+  get_state: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=adj, [1]/param_groups[0]/params[1]=coo, [1]/param_groups[0]/params[2]=lin.weight, [1]/param_groups[0]/params[3]=lin.bias
+  set_model: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=0, [1]/param_groups[0]/params[1]=1, [1]/param_groups[0]/params[2]=2, [1]/param_groups[0]/params[3]=3
+  set_optim: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=0, [1]/param_groups[0]/params[1]=1, [1]/param_groups[0]/params[2]=2, [1]/param_groups[0]/params[3]=3
+  set_state: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=0, [1]/param_groups[0]/params[1]=1, [1]/param_groups[0]/params[2]=2, [1]/param_groups[0]/params[3]=3
+frozen sparse params, resumed into a fresh Adam:
+  get_model: ok, /adj sparse_csr, /coo sparse_coo, /lin.bias, /lin.weight
+  get_optim: ok, /param_groups[0]/params[0]=adj, /param_groups[0]/params[1]=coo, /param_groups[0]/params[2]=lin.weight, /param_groups[0]/params[3]=lin.bias, /state/lin.bias/exp_avg, /state/lin.bias/exp_avg_sq, /state/lin.bias/step, /state/lin.weight/exp_avg, /state/lin.weight/exp_avg_sq, /state/lin.weight/step
+  get_state: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=adj, [1]/param_groups[0]/params[1]=coo, [1]/param_groups[0]/params[2]=lin.weight, [1]/param_groups[0]/params[3]=lin.bias, [1]/state/lin.bias/exp_avg, [1]/state/lin.bias/exp_avg_sq, [1]/state/lin.bias/step, [1]/state/lin.weight/exp_avg, [1]/state/lin.weight/exp_avg_sq, [1]/state/lin.weight/step
+  set_model: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=0, [1]/param_groups[0]/params[1]=1, [1]/param_groups[0]/params[2]=2, [1]/param_groups[0]/params[3]=3
+  set_optim: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=0, [1]/param_groups[0]/params[1]=1, [1]/param_groups[0]/params[2]=2, [1]/param_groups[0]/params[3]=3, [1]/state/2/exp_avg, [1]/state/2/exp_avg_sq, [1]/state/2/step, [1]/state/3/exp_avg, [1]/state/3/exp_avg_sq, [1]/state/3/step
+  set_state: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=0, [1]/param_groups[0]/params[1]=1, [1]/param_groups[0]/params[2]=2, [1]/param_groups[0]/params[3]=3, [1]/state/2/exp_avg, [1]/state/2/exp_avg_sq, [1]/state/2/step, [1]/state/3/exp_avg, [1]/state/3/exp_avg_sq, [1]/state/3/step
+stateless SGD after zero_grad(set_to_none=True):
+  get_model: ok, /adj sparse_csr, /coo sparse_coo, /lin.bias, /lin.weight
+  get_optim: ok, /param_groups[0]/params[0]=adj, /param_groups[0]/params[1]=coo, /param_groups[0]/params[2]=lin.weight, /param_groups[0]/params[3]=lin.bias
+  get_state: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=adj, [1]/param_groups[0]/params[1]=coo, [1]/param_groups[0]/params[2]=lin.weight, [1]/param_groups[0]/params[3]=lin.bias
+  set_model: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=0, [1]/param_groups[0]/params[1]=1, [1]/param_groups[0]/params[2]=2, [1]/param_groups[0]/params[3]=3
+  set_optim: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=0, [1]/param_groups[0]/params[1]=1, [1]/param_groups[0]/params[2]=2, [1]/param_groups[0]/params[3]=3
+  set_state: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=0, [1]/param_groups[0]/params[1]=1, [1]/param_groups[0]/params[2]=2, [1]/param_groups[0]/params[3]=3""",
+        )
+
     def test_optimizer_built_after_an_evaluation(self) -> None:
         result = run_agreed(2, optim_built_after_eval_worker)
         self.assertExpectedInline(result["unpatched"], """\
@@ -237,11 +382,11 @@ trained: get: ok, state for 8 of 12 optimizer params
 set: ok
 set int-keyed: ok""")
         self.assertExpectedInline(result["patched"], """\
-never stepped: get: ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (16, 8). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
-set: ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (16, 8). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
-set int-keyed: ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (16, 8). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
-trained: get: ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (16, 8). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
-set: ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (16, 8). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
+never stepped: get: ValueError: AdamW param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
+set: ValueError: AdamW param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
+set int-keyed: ValueError: AdamW param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
+trained: get: ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0] (Parameter of shape (16, 8)). Pass the model that owns every parameter of the optimizer. An optimizer built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()) holds parameters that FSDP2 has replaced since: build it from model.parameters() right after fully_shard().
+set: OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0] (Parameter of shape (16, 8)). Pass the model that owns every parameter of the optimizer. An optimizer built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()) holds parameters that FSDP2 has replaced since: build it from model.parameters() right after fully_shard().
 set int-keyed: ok""")
 
 

@@ -1,14 +1,18 @@
 """An optimizer param the model does not own: a clear error instead of a bare KeyError."""
 
+import traceback
 import unittest
 
 import expecttest
 import torch
 import torch.nn as nn
 
+import backport
 from _fsdp_cases import (
     CASES,
+    StateDictOptions,
     build,
+    clone,
     describe_error,
     evaluate,
     get_optimizer_state_dict,
@@ -19,42 +23,53 @@ from _fsdp_cases import (
 from backport._launch import run_ranks
 
 
-def _calls(model, optims, options) -> list[str]:
-    # Any state dict with FQN keys: the call fails while mapping the optimizer.
-    first_fqn = next(iter(dict(model.named_parameters())))
-    osd = {
-        "state": {first_fqn: {"momentum_buffer": torch.zeros(1)}},
-        "param_groups": [{"params": [first_fqn], "lr": 0.1}],
-    }
+FLATTENED = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _kinds(err: BaseException) -> str:
+    """Which of the two types a caller may catch the error is."""
+    return "/".join(kind.__name__ for kind in (KeyError, ValueError) if isinstance(err, kind))
+
+
+def _calls(model, optims, fsdp2: bool) -> list[str]:
+    """The three lookups that meet the param: get, FQN-keyed set, flattened set."""
+    saved = clone(get_optimizer_state_dict(model, optims))
+    saved_flat = clone(get_optimizer_state_dict(model, optims, options=FLATTENED))
+    # A learnable loss temperature, optimized but not a parameter of the model.
+    optims[0].add_param_group({"params": [nn.Parameter(torch.ones(()))]})
+    if fsdp2:
+        evaluate(model)
     lines = []
     for name, call in (
         ("get_optimizer_state_dict", lambda: get_optimizer_state_dict(model, optims)),
-        ("set_optimizer_state_dict", lambda: set_optimizer_state_dict(model, optims, osd)),
+        ("set_optimizer_state_dict", lambda: set_optimizer_state_dict(model, optims, saved)),
+        (
+            "set_optimizer_state_dict, flattened",
+            lambda: set_optimizer_state_dict(model, optims, saved_flat, options=FLATTENED),
+        ),
     ):
         try:
             call()
         except Exception as err:  # noqa: BLE001 - the message is what we pin
-            lines.append(f"{name}: {describe_error(err)}")
+            lines.append(f"{name}: [{_kinds(err)}] {describe_error(err)}")
         else:
             lines.append(f"{name}: ok")
     return lines
 
 
 def foreign_param_worker() -> dict[str, list[str]]:
-    """The second optimizer also holds a param that no module of the model has."""
     def run(label: str) -> dict[str, list[str]]:
-        model, optims, options = build(CASES["root_none"])
-        stray = nn.Parameter(torch.zeros(3, 5))
-        optims.append(torch.optim.SGD([{"params": [stray]}], lr=0.1))
-        optims[1].add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+        model, optims, _ = build(CASES["root_none"])
         train_step(model, optims, 0)
-        evaluate(model, CASES["root_none"])
-        # A plain module without FSDP gets the same error.
+        torch.manual_seed(0)
         plain = nn.Linear(2, 2)
-        plain_optims = [torch.optim.SGD([*plain.parameters(), stray], lr=0.1)]
+        plain_optims = [torch.optim.Adam(plain.parameters(), lr=0.1)]
+        plain(torch.ones(2)).sum().backward()
+        plain_optims[0].step()
+        # A plain module without FSDP gets the error without the FSDP2 hint.
         return {
-            label: _calls(model, optims, options),
-            f"plain {label}": _calls(plain, plain_optims, options),
+            label: _calls(model, optims, fsdp2=True),
+            f"plain {label}": _calls(plain, plain_optims, fsdp2=False),
         }
 
     runs = unpatched_then_patched(run)
@@ -66,18 +81,67 @@ class ForeignOptimizerParamTest(expecttest.TestCase):
         results = run_ranks(2, foreign_param_worker)
         self.assertEqual(results[0], results[1])
         result = results[0]
+        # The root is unsharded after the evaluation: stock fails on the model's params.
         self.assertExpectedInline("\n".join(result["unpatched"]), """\
-get_optimizer_state_dict: KeyError: 0
-set_optimizer_state_dict: KeyError: <DTensor>""")
+get_optimizer_state_dict: [KeyError] KeyError: 0
+set_optimizer_state_dict: [KeyError] KeyError: <DTensor>
+set_optimizer_state_dict, flattened: [KeyError] KeyError: <DTensor>""")
         self.assertExpectedInline("\n".join(result["patched"]), """\
-get_optimizer_state_dict: ValueError: SGD holds a parameter that the model does not own: param_groups[0]['params'][0], Parameter of shape (3, 5). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
-set_optimizer_state_dict: RuntimeError: Missing optimizer state for parameter 'blocks.0.lin1.weight' in checkpoint. The parameter requires gradients but has no saved optimizer state. To load anyway, use StateDictOptions(strict=False).""")
+get_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer. An optimizer built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()) holds parameters that FSDP2 has replaced since: build it from model.parameters() right after fully_shard().
+set_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer. An optimizer built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()) holds parameters that FSDP2 has replaced since: build it from model.parameters() right after fully_shard().
+set_optimizer_state_dict, flattened: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer. An optimizer built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()) holds parameters that FSDP2 has replaced since: build it from model.parameters() right after fully_shard().""")
         self.assertExpectedInline("\n".join(result["plain unpatched"]), """\
-get_optimizer_state_dict: KeyError: 2
-set_optimizer_state_dict: RuntimeError: Missing optimizer state for parameter 'bias' in checkpoint. The parameter requires gradients but has no saved optimizer state. To load anyway, use StateDictOptions(strict=False).""")
+get_optimizer_state_dict: [KeyError] KeyError: 2
+set_optimizer_state_dict: [KeyError] KeyError: <Parameter>
+set_optimizer_state_dict, flattened: [KeyError] KeyError: <Parameter>""")
         self.assertExpectedInline("\n".join(result["plain patched"]), """\
-get_optimizer_state_dict: ValueError: SGD holds a parameter that the model does not own: param_groups[0]['params'][2], Parameter of shape (3, 5). Likely causes: the optimizer was built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()), so it holds parameters that FSDP2 has replaced since; or the parameter belongs to another module. Build the optimizer from model.parameters() right after fully_shard(), and pass the model that owns all of its parameters.
-set_optimizer_state_dict: RuntimeError: Missing optimizer state for parameter 'bias' in checkpoint. The parameter requires gradients but has no saved optimizer state. To load anyway, use StateDictOptions(strict=False).""")
+get_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
+set_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
+set_optimizer_state_dict, flattened: [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.""")
+
+
+def _render_choice(error_type: type) -> str:
+    """What a caller written for stock torch sees of each error type."""
+    message = "Adam holds a parameter that the model does not own: ..."
+    lines = []
+    for caught_type in (KeyError, ValueError, LookupError):
+        try:
+            raise error_type(message)
+        except caught_type:
+            caught = "caught"
+        except Exception:  # noqa: BLE001 - what escapes is the result
+            caught = "not caught"
+        lines.append(f"except {caught_type.__name__}: {caught}")
+    err = error_type(message)
+    lines.append(f"str(): {str(err)}")
+    lines.append(f"traceback: {traceback.format_exception_only(err)[-1].strip()}")
+    return "\n".join(lines)
+
+
+class ErrorTypeChoiceTest(expecttest.TestCase):
+    """Upstream raises a plain ValueError; the backport an error that is both."""
+
+    def test_plain_value_error(self) -> None:
+        self.assertExpectedInline(_render_choice(ValueError), """\
+except KeyError: not caught
+except ValueError: caught
+except LookupError: not caught
+str(): Adam holds a parameter that the model does not own: ...
+traceback: ValueError: Adam holds a parameter that the model does not own: ...""")
+
+    def test_value_and_key_error(self) -> None:
+        self.assertExpectedInline(_render_choice(backport.OptimizerParamNotInModelError), """\
+except KeyError: caught
+except ValueError: caught
+except LookupError: caught
+str(): Adam holds a parameter that the model does not own: ...
+traceback: backport.OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: ...""")
+
+
+    def test_value_and_key_error_without_str_override(self) -> None:
+        # Why the backport's class sets __str__: KeyError's quotes its message.
+        error_type = type("OptimizerParamNotInModelError", (ValueError, KeyError), {})
+        self.assertExpectedInline(_render_choice(error_type).split("\n")[3], """str(): 'Adam holds a parameter that the model does not own: ...'""")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""The upstream patch series and the backport implement one logic.
+"""The upstream stack (torch_patch/) and the backport implement one logic.
 
-- What 0001 and 0002 add to ``_verify_options`` after its option checks is the
-  body of the backport's ``_reshard_fsdp2_modules``, line for line (comments
-  included), and the checks it moves ahead of the reshard are the ones the
-  backport's ``_options_are_valid`` mirrors.
-- The helper and constant the series adds are the backport's, line for line.
-- 0003 raises its error, or calls its freed-parameter check, in exactly the
-  functions the backport wraps for it.
+- 0001 (PR A) adds ``_reshard_fsdp2_modules`` and ``_verify_optim_params_allocated``
+  and calls them from ``_verify_options`` and ``_init_optim_state``; 0002 (PR B)
+  adds ``_unowned_optim_param_error`` and raises it at three lookups. Each
+  definition is the backport's, line for line (the backport imports torch
+  inside each function, and raises its own error class, a ValueError and a
+  KeyError, where PR B raises a plain ValueError).
+- Each call or raise site sits in a function the backport wraps, or in one that
+  the wrapped function calls on the installed torch.
+- The backport-only extension (FSDP2's hook, found by name) is in no patch.
 """
 
 import inspect
@@ -15,19 +17,20 @@ import textwrap
 import unittest
 from pathlib import Path
 
+import torch.distributed.checkpoint.state_dict as state_dict_module
+
 import backport
 
 
 PATCHES = sorted((Path(__file__).parent.parent / "torch_patch").glob("0*.patch"))
 TARGET = "torch/distributed/checkpoint/state_dict.py"
-SERIES = ["0001", "0002", "0003"]
-# The option check that 0001 moves ahead of the reshard.
-MOVED_CHECK = """\
-if options.broadcast_from_rank0 and not options.full_state_dict:
-    raise ValueError(
-        "full_state_dict must be True when broadcast_from_rank0 is True."
-    )
-"""
+SERIES = ["0001", "0002"]
+# PR B raises in these functions; the backport converts in the function named.
+RAISE_SITES = {
+    "_get_optim_state_dict": "_get_optim_state_dict",
+    "_split_optim_state_dict": "_load_optim_state_dict",
+    "_unflatten_optim_state_dict": "_load_optim_state_dict",
+}
 
 
 def _hunks(patch: Path) -> list[tuple[str, list[str]]]:
@@ -58,81 +61,85 @@ def _added_blocks(patch: Path) -> list[tuple[str | None, str]]:
     return [(function, textwrap.dedent("\n".join(text)) + "\n") for function, text in blocks]
 
 
-def _reshard_block() -> str:
-    """What 0001 + 0002 add to ``_verify_options`` besides the moved check."""
-    added = [
-        text
-        for patch in PATCHES[:2]
-        for function, text in _added_blocks(patch)
-        if function == "_verify_options"
-    ]
-    code = "".join(added)
-    if not code.startswith(MOVED_CHECK):
-        raise AssertionError(f"0001 does not open with the moved option check:\n{code}")
-    return code[len(MOVED_CHECK):].lstrip("\n")
-
-
-def _backport_reshard_body() -> str:
-    source = textwrap.dedent(inspect.getsource(backport._reshard_fsdp2_modules))
-    body = source.split('"""', 2)[2]  # after the docstring
-    lines = [line for line in body.splitlines() if not line.strip().startswith("from torch")]
-    return textwrap.dedent("\n".join(lines)).strip("\n") + "\n"
-
-
-def _added_definition(name: str) -> str:
-    """The module-level definition of ``name`` that the series adds."""
-    for patch in PATCHES:
-        for function, text in _added_blocks(patch):
-            match = re.search(
-                rf"^(?:def {name}\(.*?(?=\n\n\n|\Z)|{name} = (?:\(\n.*?\n\)|.*?$))", text, re.MULTILINE | re.DOTALL
-            )
-            if match:
-                return match.group(0).rstrip() + "\n"
-    raise AssertionError(f"the series does not add {name}")
+def _added_definition(patch: Path, name: str) -> str:
+    """The module-level function ``name`` that ``patch`` adds."""
+    for _, text in _added_blocks(patch):
+        match = re.search(rf"^def {name}\(.*?(?=\n\n\n|\Z)", text, re.MULTILINE | re.DOTALL)
+        if match:
+            return match.group(0).rstrip() + "\n"
+    raise AssertionError(f"{patch.name} does not add {name}")
 
 
 def _backport_definition(name: str) -> str:
-    value = getattr(backport, name)
-    if callable(value):
-        return textwrap.dedent(inspect.getsource(value)).rstrip() + "\n"
-    source = Path(backport.__file__).read_text()
-    match = re.search(rf"^{name} = (?:\(\n.*?\n\)|.*?$)", source, re.MULTILINE | re.DOTALL)
-    return match.group(0) + "\n"
+    """The backport's ``name`` without its function-local imports."""
+    source = textwrap.dedent(inspect.getsource(getattr(backport, name)))
+    lines = [
+        line for line in source.splitlines()
+        if not re.fullmatch(r"    (?:import torch|from torch\S* import \w+)", line)
+    ]
+    return re.sub(r'("""\n)\n', r"\1", "\n".join(lines)).rstrip() + "\n"
+
+
+def _calls_in(patch: Path) -> dict[str | None, str]:
+    """Enclosing function -> the non-definition lines ``patch`` adds to it."""
+    calls: dict[str | None, str] = {}
+    for function, text in _added_blocks(patch):
+        if not text.startswith("def ") and function is not None:
+            calls[function] = calls.get(function, "") + text
+    return calls
 
 
 class PatchMatchesBackportTest(unittest.TestCase):
     def test_series(self) -> None:
         self.assertEqual([patch.name[:4] for patch in PATCHES], SERIES)
 
-    def test_reshard_is_the_backport_helper(self) -> None:
-        self.assertEqual(_reshard_block(), _backport_reshard_body())
-
-    def test_moved_check_is_the_one_the_backport_mirrors(self) -> None:
-        source = inspect.getsource(backport._options_are_valid)
-        self.assertIn("options.broadcast_from_rank0 and not options.full_state_dict", source)
-        self.assertIn("optim_only and not optims", source)
-
     def test_added_definitions_are_identical(self) -> None:
-        for name in (
-            "_FSDP2_TO_SHARDED_HOOK",
-            "_unowned_optim_param_error",
-            "_verify_optim_params_allocated",
+        for patch, name in (
+            (PATCHES[0], "_reshard_fsdp2_modules"),
+            (PATCHES[0], "_verify_optim_params_allocated"),
+            (PATCHES[1], "_unowned_optim_param_error"),
         ):
             with self.subTest(name=name):
-                self.assertEqual(_added_definition(name), _backport_definition(name))
+                backported = _backport_definition(name).replace(
+                    "OptimizerParamNotInModelError", "ValueError"
+                )
+                self.assertEqual(_added_definition(patch, name), backported)
 
-    def test_error_raised_where_the_backport_converts(self) -> None:
+    def test_pr_a_calls_where_the_backport_wraps(self) -> None:
+        calls = _calls_in(PATCHES[0])
+        self.assertEqual(calls["_verify_options"], "_reshard_fsdp2_modules(model)\n")
+        self.assertEqual(calls["_init_optim_state"], "_verify_optim_params_allocated(optim)\n")
+        self.assertEqual(set(calls) - {"get_state_dict", "set_state_dict"}, {
+            backport._TARGET_NAME, "_init_optim_state"
+        })
+        self.assertIn("_reshard_fsdp2_modules(model)", inspect.getsource(
+            backport._wrap_verify_options
+        ))
+        self.assertIn("_init_optim_state", backport._WRAPPERS)
+
+    def test_pr_b_raises_where_the_backport_converts(self) -> None:
         raising = {
             function
-            for function, text in _added_blocks(PATCHES[2])
-            if not text.startswith("def ")
-            and ("raise _unowned_optim_param_error(" in text
-                 or "_verify_optim_params_allocated(optim)" in text)
+            for function, text in _calls_in(PATCHES[1]).items()
+            if "raise _unowned_optim_param_error(" in text
         }
-        self.assertEqual(raising, set(backport._WRAPPERS) - {backport._TARGET_NAME})
+        self.assertEqual(raising, set(RAISE_SITES))
+        self.assertEqual(set(RAISE_SITES.values()) - set(backport._WRAPPERS), set())
+        for site, wrapped in RAISE_SITES.items():
+            with self.subTest(site=site):
+                source = inspect.getsource(getattr(state_dict_module, wrapped).__wrapped__
+                                           if backport.is_applied()
+                                           else getattr(state_dict_module, wrapped))
+                self.assertIn(f"{site}(", source)
 
     def test_patch_marks_the_fix_the_backport_detects(self) -> None:
-        self.assertIn(f".{backport._FIX_ARTIFACT}()", _reshard_block())
+        self.assertIn(f"{backport._FIX_ARTIFACT}(model)", _calls_in(PATCHES[0])["_verify_options"])
+
+    def test_backport_only_extension_is_in_no_patch(self) -> None:
+        for patch in PATCHES:
+            with self.subTest(patch=patch.name):
+                self.assertNotIn("__qualname__", patch.read_text())
+                self.assertNotIn("to_sharded_hook", patch.read_text())
 
 
 if __name__ == "__main__":

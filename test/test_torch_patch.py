@@ -23,36 +23,27 @@ class TorchPatchTest(expecttest.TestCase):
         )
         out = proc.stdout.replace(str(torch.__version__), "<torch>")
         self.assertEqual(proc.returncode, 0, out + proc.stderr)
-        # The series applies with full context to 2.13 and newer; 2.10's
-        # state_dict.py differs next to the hunks of 0001 and 0002 (fuzz 1).
+        # The stack applies with full context to 2.13 and newer; 2.10's
+        # state_dict.py differs next to hunks of 0001 (fuzz 1).
         if torch.__version__ < (2, 13):
-            self.assertEqual(out.count(": with -C1\n"), 5, out)
+            self.assertEqual(out.count(": with -C1\n"), 2, out)
             out = out.replace(": with -C1\n", ": clean\n")
         self.assertExpectedInline(out, """\
 torch <torch> + 0001:
-  git apply 0001-DSD-Reshard-FSDP2-modules-before-mapping-parameters-.patch: clean
-  upstream test test/distributed/checkpoint/fsdp/test_fsdp_dsd.py:
-    torch as installed: failed (2 tests, FAILED (errors=1))
-    patched state_dict.py: passed (2 tests, OK)
-  backport.status() on the patched torch: not needed: torch <torch> already contains the fix; remove the backport
-torch <torch> + 0001 + 0002:
-  git apply 0001-DSD-Reshard-FSDP2-modules-before-mapping-parameters-.patch: clean
-  git apply 0002-DSD-Reshard-the-FSDP2-group-of-a-plain-submodule-pas.patch: clean
+  git apply 0001-DSD-Reshard-FSDP2-modules-before-mapping-optimizer-p.patch: clean
   upstream test test/distributed/checkpoint/fsdp/test_fsdp_dsd.py:
     torch as installed: failed (3 tests, FAILED (errors=2))
     patched state_dict.py: passed (3 tests, OK)
   backport.status() on the patched torch: not needed: torch <torch> already contains the fix; remove the backport
-torch <torch> + 0001 + 0002 + 0003:
-  git apply 0001-DSD-Reshard-FSDP2-modules-before-mapping-parameters-.patch: clean
-  git apply 0002-DSD-Reshard-the-FSDP2-group-of-a-plain-submodule-pas.patch: clean
-  git apply 0003-DSD-Name-the-optimizer-parameter-that-the-model-does.patch: clean
+torch <torch> + 0001 + 0002:
+  git apply 0001-DSD-Reshard-FSDP2-modules-before-mapping-optimizer-p.patch: clean
+  git apply 0002-DSD-Raise-a-descriptive-error-for-optimizer-params-n.patch: clean
   upstream test test/distributed/checkpoint/fsdp/test_fsdp_dsd.py:
-    torch as installed: failed (5 tests, FAILED (errors=4))
-    patched state_dict.py: passed (5 tests, OK)
+    torch as installed: failed (4 tests, FAILED (errors=3))
+    patched state_dict.py: passed (4 tests, OK)
   backport.status() on the patched torch: not needed: torch <torch> already contains the fix; remove the backport
 result: the series fixes torch <torch>
 """)
-
 
 
 if __name__ == "__main__":
