@@ -37,11 +37,15 @@ def tests(session: nox.Session, torch: str) -> None:
     # Some machines cap pip at an older torch through a constraints file.
     extras = "test,frameworks" if torch == FRAMEWORKS_TORCH else "test"
     session.install(f"torch=={torch}", f".[{extras}]", env={"PIP_CONSTRAINT": "/dev/null"})
-    default = ["-q", *TORCH_27_TESTS] if torch.startswith("2.7.") else ["-q"]
+    # --durations: the slowest tests of each session show in the log.
+    default = ["-q", "--durations=15"]
+    if torch.startswith("2.7."):
+        default += TORCH_27_TESTS
     session.run("python", "-m", "pytest", *(session.posargs or default))
 
 
 @nox.session
 def twinkle(session: nox.Session) -> None:
     session.install("torch==2.13.0", ".[twinkle]", env={"PIP_CONSTRAINT": "/dev/null"})
-    session.run("python", "-m", "pytest", *(session.posargs or ["-q", "test/test_twinkle.py"]))
+    default = ["-q", "--durations=15", "test/test_twinkle.py"]
+    session.run("python", "-m", "pytest", *(session.posargs or default))

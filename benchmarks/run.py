@@ -189,8 +189,8 @@ def _mechanisms(model, optim) -> dict:
     fqn_pid_mapping = {pid: pid for pid, param in enumerate(params) if param in owned}
 
     def optim_check() -> None:
-        # What 0003 adds to a get_optimizer_state_dict call that raises nothing:
-        # its membership test per parameter id, on the pid -> FQN mapping.
+        # What PR B (0002) adds to a get_optimizer_state_dict call that raises
+        # nothing: a membership test per parameter id at the two pid -> FQN lookups.
         for pid in chain(osd["state"], *(g["params"] for g in osd["param_groups"])):
             if pid not in fqn_pid_mapping:
                 raise AssertionError(pid)
@@ -201,8 +201,12 @@ def _mechanisms(model, optim) -> dict:
                 module.reshard()
 
     return {
-        # 0001 + 0002: the reshard block the series adds to _verify_options.
-        "fix": lambda: backport._reshard_fsdp2_modules(model),
+        # What the backport adds to _verify_options: PR A's (0001) reshard loop
+        # and its own plain-module extension (one isinstance for an FSDP root).
+        "fix": lambda: (
+            backport._reshard_fsdp2_modules(model),
+            backport._reshard_fsdp2_groups_of_plain_module(model),
+        ),
         # The bound the fix is held to (torchtitan#1173's loop).
         "plain_loop": plain_loop,
         "optim_check": optim_check,
@@ -377,8 +381,8 @@ def _markdown(report: dict) -> str:
         "(best of 5), and the fix's ratio to the plain loop (median of interleaved "
         "pairs, quartiles in brackets):",
         "",
-        "| ranks | model | FSDP modules | fix (0001+0002) | plain loop | fix / plain loop "
-        "| 0003 check | series per call µs | model.state_dict() |",
+        "| ranks | model | FSDP modules | fix (0001 + extension) | plain loop | fix / plain loop "
+        "| 0002 check | series per call µs | model.state_dict() |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for ranks, results in report["results"].items():
