@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from backport import _FSDP2_TO_SHARDED_HOOK
 from _fsdp_cases import (
     StateDictOptions,
     get_model_state_dict,
@@ -82,7 +83,12 @@ def tied_module_worker() -> dict[str, str]:
     def run(_label: str) -> str:
         model = _tied_model()
         model(torch.arange(4))  # FSDP2 registers its hooks at lazy init
+        qualnames = [
+            getattr(hook, "__qualname__", None) for hook in model[0]._state_dict_pre_hooks.values()
+        ]
         return "\n".join([
+            # The backport-only extension calls FSDP2's hook by this name.
+            f"the backport finds its hook on model[0]: {_FSDP2_TO_SHARDED_HOOK in qualnames}",
             f"hooks on model[0] (embedding, owner): {_hooks(model[0])}",
             f"hooks on model[1] (head, shares the weight): {_hooks(model[1])}",
             f"full load into model[0] after a no_grad forward: {_load_into(0)}",
@@ -98,12 +104,14 @@ class FSDP2TiedModuleHooksTest(expecttest.TestCase):
     def test_secondary_module_of_tied_weights(self) -> None:
         result = run_agreed(2, tied_module_worker)
         self.assertExpectedInline(result["unpatched"], """\
+the backport finds its hook on model[0]: True
 hooks on model[0] (embedding, owner): to_sharded_hook, to_sharded_hook
 hooks on model[1] (head, shares the weight): none
 full load into model[0] after a no_grad forward: RuntimeError: Error(s) in loading state_dict for Embedding:
 full load into model[1] after a no_grad forward: returned; after reshard the weight is LOST
 the same, hooks registered on shared modules as proposed: RuntimeError: Error(s) in loading state_dict for Linear:""")
         self.assertExpectedInline(result["patched"], """\
+the backport finds its hook on model[0]: True
 hooks on model[0] (embedding, owner): to_sharded_hook, to_sharded_hook
 hooks on model[1] (head, shares the weight): none
 full load into model[0] after a no_grad forward: returned; after reshard the weight is the loaded one
