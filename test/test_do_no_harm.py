@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import _patch_model_state_dict
 from _fsdp_cases import (
     CALLS,
     CASES,
+    Case,
     StateDictOptions,
     TinyLM,
     build,
@@ -306,6 +307,27 @@ def storageless_params_worker() -> dict[str, dict[str, list[str]]]:
     )
 
 
+def held_tensor_worker() -> dict[str, str]:
+    """A group holding no optimizer parameter, unshard()ed on purpose, and a tensor taken from it."""
+
+    def run(_label: str) -> str:
+        # The root group holds only the frozen embedding; the optimizer the rest.
+        model, optims, _ = build(Case(frozen=True, tail=True))
+        train_step(model, optims, 0)
+        model.unshard()  # the root group only: unshard() is not recursive
+        held = model.embed.weight
+        before = held.untyped_storage().nbytes()
+        outcome = outcome_of(lambda: get_optimizer_state_dict(model, optims))
+        # Reading a tensor whose storage was freed crashes: only its size is read.
+        return (
+            f"get_optimizer_state_dict {outcome}; the held embed.weight ({type(held).__name__}) "
+            f"storage {before} -> {held.untyped_storage().nbytes()} bytes; model.embed.weight "
+            f"is now a {type(model.embed.weight).__name__}"
+        )
+
+    return unpatched_then_patched(run)
+
+
 class DoNoHarmTest(expecttest.TestCase):
     def test_patched_state_dict_on_a_hooked_plain_root(self) -> None:
         result = run_agreed(2, patched_state_dict_worker)
@@ -371,6 +393,13 @@ stateless SGD after zero_grad(set_to_none=True):
   set_optim: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=0, [1]/param_groups[0]/params[1]=1, [1]/param_groups[0]/params[2]=2, [1]/param_groups[0]/params[3]=3
   set_state: ok, [0]/adj sparse_csr, [0]/coo sparse_coo, [0]/lin.bias, [0]/lin.weight, [1]/param_groups[0]/params[0]=0, [1]/param_groups[0]/params[1]=1, [1]/param_groups[0]/params[2]=2, [1]/param_groups[0]/params[3]=3""",
         )
+
+    def test_tensor_held_across_an_optimizer_call(self) -> None:
+        # The price of the fix, in its BC note: the optimizer calls reshard, as
+        # get_model_state_dict already does, and free what unshard() allocated.
+        result = run_agreed(2, held_tensor_worker)
+        self.assertExpectedInline(result["unpatched"], """get_optimizer_state_dict ok; the held embed.weight (Parameter) storage 512 -> 512 bytes; model.embed.weight is now a Parameter""")
+        self.assertExpectedInline(result["patched"], """get_optimizer_state_dict ok; the held embed.weight (Parameter) storage 512 -> 0 bytes; model.embed.weight is now a DTensor""")
 
     def test_optimizer_built_after_an_evaluation(self) -> None:
         result = run_agreed(2, optim_built_after_eval_worker)
