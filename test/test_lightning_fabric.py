@@ -86,14 +86,21 @@ def _save_then_load(path: Path, sharded: bool, optimizer_first: bool) -> list[st
     # The outcome, shared by every rank, decides; files a failed save left do not.
     if saved_outcome != "ok":
         return lines
-    perturb(model.module, [optimizer.optimizer])
-    evaluate(model)
-    outcome = outcome_of(lambda: fabric.load(path, {"model": model, "optimizer": optimizer}))
-    if outcome == "ok":
-        diffs = differences(_states(model, optimizer), saved)
-        outcome = "restored exactly" if not diffs else f"differs at {diffs[:3]}"
+    outcome = perturb_then_load(fabric, path, model, optimizer, saved, evaluated=True)
     lines.append(f"{kind} {order}: load after eval -> {outcome}")
     return lines
+
+
+def perturb_then_load(fabric, path: Path, model, optimizer, saved: dict, evaluated: bool) -> str:
+    """Perturb the states, evaluate if asked, fabric.load; how well ``saved`` came back."""
+    perturb(model.module, [optimizer.optimizer])
+    if evaluated:
+        evaluate(model)
+    outcome = outcome_of(lambda: fabric.load(path, {"model": model, "optimizer": optimizer}))
+    if outcome != "ok":
+        return outcome
+    diffs = differences(_states(model, optimizer), saved)
+    return "restored exactly" if not diffs else f"differs at {diffs[:3]}"
 
 
 def fabric_worker(checkpoint_dir: str) -> dict[str, str]:

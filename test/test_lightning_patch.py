@@ -21,7 +21,6 @@ from pathlib import Path
 
 import expecttest
 
-from _fsdp_cases import differences, evaluate, outcome_of, perturb
 from backport._launch import run_ranks
 
 
@@ -57,7 +56,7 @@ def _patched_copy(scratch: Path) -> Path:
 def full_load_worker(patched_module: str | None, checkpoint_dir: str) -> str:
     if patched_module is not None:
         sys.meta_path.insert(0, _PatchedModuleFinder(patched_module))
-    from test_lightning_fabric import _setup, _states
+    from test_lightning_fabric import _setup, _states, perturb_then_load
     import lightning_fabric.strategies.model_parallel as model_parallel
 
     assert (model_parallel.__file__ == patched_module) == (patched_module is not None)
@@ -67,13 +66,7 @@ def full_load_worker(patched_module: str | None, checkpoint_dir: str) -> str:
         saved = _states(model, optimizer)
         path = Path(checkpoint_dir) / f"{patched_module is not None}-{evaluated}.ckpt"
         fabric.save(path, {"model": model, "optimizer": optimizer})
-        perturb(model.module, [optimizer.optimizer])
-        if evaluated:
-            evaluate(model)
-        outcome = outcome_of(lambda: fabric.load(path, {"model": model, "optimizer": optimizer}))
-        if outcome == "ok":
-            diffs = differences(_states(model, optimizer), saved)
-            outcome = "restored exactly" if not diffs else f"differs at {diffs[:3]}"
+        outcome = perturb_then_load(fabric, path, model, optimizer, saved, evaluated)
         lines.append(f"{'after an evaluation' if evaluated else 'no evaluation'}: {outcome}")
     return "\n".join(lines)
 
