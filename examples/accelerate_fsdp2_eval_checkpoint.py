@@ -21,6 +21,7 @@ import backport; backport.apply()  # noqa: E702, I001 - first, before anything c
 import argparse
 
 import torch
+import torch.distributed
 from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -130,4 +131,10 @@ def main() -> None:
             raise SystemExit("resumed training diverged from the original run")
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # A process group still alive at interpreter exit can abort the process
+        # (SIGABRT from its worker threads); end it on every path.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -19,6 +19,7 @@ import argparse
 import os
 
 import torch
+import torch.distributed
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning_fabric import Fabric
@@ -136,4 +137,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # A process group still alive at interpreter exit can abort the process
+        # (SIGABRT from its worker threads); end it on every path.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
