@@ -31,7 +31,33 @@ TORCH_27_TESTS = [
     "test/test_transformers_trainer.py",
 ]
 
+# Every test file that starts ranks (run_ranks, torchrun, prove.py's
+# MultiProcessTestCase); the flake session runs each three times in a row.
+MULTI_RANK_TESTS = [
+    "test/test_accelerate.py",
+    "test/test_benchmarks_smoke.py",
+    "test/test_checkpoint_roundtrip.py",
+    "test/test_diagnose.py",
+    "test/test_do_no_harm.py",
+    "test/test_errors.py",
+    "test/test_eval_state_dict_matrix.py",
+    "test/test_eval_state_dict_setups.py",
+    "test/test_example_accelerate.py",
+    "test/test_example_fabric.py",
+    "test/test_fsdp2_tied_module_hooks.py",
+    "test/test_lightning_fabric.py",
+    "test/test_lightning_patch.py",
+    "test/test_lightning_trainer.py",
+    "test/test_state_dict_structure.py",
+    "test/test_torch_patch.py",
+    "test/test_torchtitan.py",
+    "test/test_transformers_trainer.py",
+    "test/test_unaffected_models.py",
+]
+
 nox.options.reuse_existing_virtualenvs = True
+# `nox` alone runs these (what CI runs); `nox -s flake` is run by hand.
+nox.options.sessions = ["tests", "twinkle"]
 
 
 @nox.session
@@ -54,3 +80,17 @@ def twinkle(session: nox.Session) -> None:
     session.install("torch==2.13.0", ".[twinkle]", env={"PIP_CONSTRAINT": "/dev/null"})
     default = ["-q", "--durations=15", "test/test_twinkle.py"]
     session.run("python", "-m", "pytest", *(session.posargs or default))
+
+
+@nox.session
+def flake(session: nox.Session) -> None:
+    """Each multi-rank test file three times in a row on the frameworks release."""
+    session.install(
+        f"torch=={FRAMEWORKS_TORCH}", ".[test,frameworks]", env={"PIP_CONSTRAINT": "/dev/null"}
+    )
+    for path in session.posargs or MULTI_RANK_TESTS:
+        for _ in range(3):
+            session.run(
+                "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                *FRAMEWORKS_TORCH_SELECTION, path,
+            )

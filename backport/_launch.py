@@ -55,7 +55,8 @@ def run_ranks(
     """Run ``fn(*args)`` on ``world_size`` spawned ranks; return the results by rank.
 
     ``fn`` must be importable by qualified name and return something picklable.
-    Raises RankError naming every rank that raised, timed out or died.
+    Raises RankError naming every rank that raised, timed out or died, also
+    one that died at exit after returning its result.
     """
     import torch.multiprocessing as mp
 
@@ -98,6 +99,13 @@ def run_ranks(
         f"rank {rank}: no result (exit code {procs[rank].exitcode})"
         for rank in range(world_size)
         if not reports.get(rank, (False,))[0]
+    ]
+    # A rank that returned its result and then crashed at exit (after
+    # destroy_process_group()) fails the run too: no crash hides behind a result.
+    failures += [
+        f"rank {rank}: returned its result, then exited with code {procs[rank].exitcode}"
+        for rank in range(world_size)
+        if reports.get(rank, (False,))[0] and procs[rank].exitcode != 0
     ]
     if failures:
         raise RankError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(failures))
