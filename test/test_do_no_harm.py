@@ -6,6 +6,7 @@ cases ("after eval") must fail on stock torch and pass with the fix.
 """
 
 import unittest
+from collections.abc import Callable
 from typing import Any
 
 import expecttest
@@ -241,7 +242,12 @@ def _storageless_setup(name: str):
     """(model, optimizer, FQN-keyed optimizer state to load) for one setup."""
     if name == "sparse COO param, fresh SGD":
         model = SparseGraphModel(coo_trainable=True)
-        return model, torch.optim.SGD(model.parameters(), lr=0.1), None
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        # SGD without momentum keeps no state: the FQN-keyed form has only params.
+        saved = {"state": {}, "param_groups": [
+            {**optim.param_groups[0], "params": [fqn for fqn, _ in model.named_parameters()]}
+        ]}
+        return model, optim, saved
     if name == "frozen sparse params, resumed into a fresh Adam":
         trained = SparseGraphModel(coo_trainable=False)
         optim = torch.optim.Adam(trained.parameters(), lr=0.1)
@@ -266,31 +272,27 @@ STORAGELESS_SETUPS = (
 )
 
 
+# The six calls, each on (model, optimizers, model state to load, optimizer state to load).
+STORAGELESS_CALLS: dict[str, Callable[..., Any]] = {
+    "get_model": lambda model, optims, msd, osd: get_model_state_dict(model),
+    "get_optim": lambda model, optims, msd, osd: get_optimizer_state_dict(model, optims),
+    "get_state": lambda model, optims, msd, osd: get_state_dict(model, optims),
+    "set_model": lambda model, optims, msd, osd: set_model_state_dict(model, msd),
+    "set_optim": lambda model, optims, msd, osd: set_optimizer_state_dict(model, optims, osd),
+    "set_state": lambda model, optims, msd, osd: set_state_dict(
+        model, optims, model_state_dict=msd, optim_state_dict=osd
+    ),
+}
+
+
 def _storageless_outcomes(name: str) -> list[str]:
     """The six calls on one setup: each result rendered, or its error."""
-    def calls(model, optims, saved_model, saved_optim):
-        return {
-            "get_model": lambda: get_model_state_dict(model),
-            "get_optim": lambda: get_optimizer_state_dict(model, optims),
-            "get_state": lambda: get_state_dict(model, optims),
-            "set_model": lambda: set_model_state_dict(model, saved_model),
-            "set_optim": lambda: set_optimizer_state_dict(model, optims, saved_optim),
-            "set_state": lambda: set_state_dict(
-                model, optims, model_state_dict=saved_model, optim_state_dict=saved_optim
-            ),
-        }
-
     lines = []
-    for call_name in calls(*[None] * 4):
+    for call_name, call in STORAGELESS_CALLS.items():
         model, optim, saved_optim = _storageless_setup(name)
         saved_model = clone(model.state_dict())
-        if saved_optim is None:
-            saved_optim = {"state": {}, "param_groups": [{**optim.param_groups[0], "params": [
-                fqn for fqn, _ in model.named_parameters()
-            ]}]}
-        call = calls(model, [optim], clone(saved_model), clone(saved_optim))[call_name]
         try:
-            result = call()
+            result = call(model, [optim], saved_model, saved_optim)
         except Exception as err:  # noqa: BLE001 - compared with stock torch
             lines.append(f"{call_name}: {describe_error(err).splitlines()[0]}")
             continue
