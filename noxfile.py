@@ -60,12 +60,17 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests", "twinkle"]
 
 
+def _install(session: nox.Session, *args: str) -> None:
+    # Some machines cap pip at an older torch through a constraints file.
+    # --no-compile: Python compiles what the tests import, not all of torch.
+    session.install("--no-compile", *args, env={"PIP_CONSTRAINT": "/dev/null"})
+
+
 @nox.session
 @nox.parametrize("torch", TORCH_VERSIONS)
 def tests(session: nox.Session, torch: str) -> None:
-    # Some machines cap pip at an older torch through a constraints file.
     extras = "test,frameworks" if torch == FRAMEWORKS_TORCH else "test"
-    session.install(f"torch=={torch}", f".[{extras}]", env={"PIP_CONSTRAINT": "/dev/null"})
+    _install(session, f"torch=={torch}", f".[{extras}]")
     # --durations: the slowest tests of each session show in the log.
     default = ["-q", "--durations=15"]
     if torch.startswith("2.7."):
@@ -77,7 +82,7 @@ def tests(session: nox.Session, torch: str) -> None:
 
 @nox.session
 def twinkle(session: nox.Session) -> None:
-    session.install("torch==2.13.0", ".[twinkle]", env={"PIP_CONSTRAINT": "/dev/null"})
+    _install(session, "torch==2.13.0", ".[twinkle]")
     default = ["-q", "--durations=15", "test/test_twinkle.py"]
     session.run("python", "-m", "pytest", *(session.posargs or default))
 
@@ -85,9 +90,7 @@ def twinkle(session: nox.Session) -> None:
 @nox.session
 def flake(session: nox.Session) -> None:
     """Each multi-rank test file three times in a row on the frameworks release."""
-    session.install(
-        f"torch=={FRAMEWORKS_TORCH}", ".[test,frameworks]", env={"PIP_CONSTRAINT": "/dev/null"}
-    )
+    _install(session, f"torch=={FRAMEWORKS_TORCH}", ".[test,frameworks]")
     for path in session.posargs or MULTI_RANK_TESTS:
         for _ in range(3):
             session.run(
