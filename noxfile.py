@@ -62,8 +62,7 @@ nox.options.sessions = ["tests", "twinkle"]
 
 def _install(session: nox.Session, *args: str) -> None:
     # Some machines cap pip at an older torch through a constraints file.
-    # --no-compile: Python compiles what the tests import, not all of torch.
-    session.install("--no-compile", *args, env={"PIP_CONSTRAINT": "/dev/null"})
+    session.install(*args, env={"PIP_CONSTRAINT": "/dev/null"})
 
 
 @nox.session
