@@ -39,6 +39,12 @@ def _rank_main(rank, world_size, port, fn, args, results) -> None:
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # What torchrun does for several ranks on one host: one intra-op
+        # thread each, so N ranks do not oversubscribe the cores.
+        torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", timeout=PG_TIMEOUT)
         results.put((rank, True, fn(*args)))

@@ -14,6 +14,24 @@ PROVE = Path(__file__).parent.parent / "torch_patch" / "prove.py"
 
 
 class TorchPatchTest(expecttest.TestCase):
+    def test_series_applies_to_installed_torch(self) -> None:
+        proc = subprocess.run(
+            [sys.executable, str(PROVE), "--apply-only"],
+            capture_output=True, text=True, timeout=120,
+        )
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        out = proc.stdout.replace(str(torch.__version__), "<torch>")
+        if torch.__version__ < (2, 13):
+            self.assertEqual(out.count(": with -C1\n"), 2, out)
+            out = out.replace(": with -C1\n", ": clean\n")
+        self.assertExpectedInline(out, """\
+torch <torch> + 0001:
+  git apply 0001-DSD-Reshard-FSDP2-modules-before-mapping-optimizer-p.patch: clean
+torch <torch> + 0001 + 0002:
+  git apply 0001-DSD-Reshard-FSDP2-modules-before-mapping-optimizer-p.patch: clean
+  git apply 0002-DSD-Raise-a-descriptive-error-for-optimizer-params-n.patch: clean
+""")
+
     def test_prove_patch_on_installed_torch(self) -> None:
         # CI machines set CI, which changes how torch's run_tests() reports.
         proc = subprocess.run(

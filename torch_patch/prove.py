@@ -83,6 +83,16 @@ def _apply(tree: Path, patch: Path) -> str:
     raise SystemExit(f"git apply --check {patch.name} failed:\n{check.stderr}")
 
 
+def _apply_to_copy(tree: Path, patches: list[Path]) -> dict[str, str]:
+    """Copy the installed file and the test stand-in into ``tree``; apply ``patches``."""
+    _, installed = _installed_state_dict()
+    (tree / TARGET).parent.mkdir(parents=True)
+    (tree / TARGET).write_bytes(installed.read_bytes())
+    (tree / UPSTREAM_TEST).parent.mkdir(parents=True)
+    (tree / UPSTREAM_TEST).write_bytes(UPSTREAM_TEST_BASE.read_bytes())
+    return {patch.name: _apply(tree, patch) for patch in patches}
+
+
 class TestRun(NamedTuple):
     returncode: int
     tests: int | None  # unittest's "Ran N tests"; None if the run never got there
@@ -117,15 +127,11 @@ def _run_test(test_file: Path, env: dict[str, str], log: Path, test_args) -> Tes
 
 def _prove(patches: list[Path], test_args: list[str], keep: bool) -> bool:
     """Apply ``patches`` to a copy of the installed file; run their test both ways."""
-    version, installed = _installed_state_dict()
+    version, _ = _installed_state_dict()
     scratch = Path(tempfile.mkdtemp(prefix="torch_patch."))
     tree = scratch / "tree"
-    (tree / TARGET).parent.mkdir(parents=True)
-    (tree / TARGET).write_bytes(installed.read_bytes())
+    applied = _apply_to_copy(tree, patches)
     test_file = tree / UPSTREAM_TEST
-    test_file.parent.mkdir(parents=True)
-    test_file.write_bytes(UPSTREAM_TEST_BASE.read_bytes())
-    applied = {patch.name: _apply(tree, patch) for patch in patches}
     site = scratch / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -184,10 +190,22 @@ def _prove(patches: list[Path], test_args: list[str], keep: bool) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", action="store_true", help="keep the scratch trees")
+    parser.add_argument(
+        "--apply-only", action="store_true",
+        help="only apply each prefix to a copy of the installed file; run no test",
+    )
     parser.add_argument("test_args", nargs="*", help="passed to the upstream test")
     args = parser.parse_args(argv)
 
     version, _ = _installed_state_dict()
+    if args.apply_only:
+        for stage in range(1, len(PATCHES) + 1):
+            with tempfile.TemporaryDirectory(prefix="torch_patch.") as scratch:
+                applied = _apply_to_copy(Path(scratch), PATCHES[:stage])
+            print(f"torch {version} + {' + '.join(p.name[:4] for p in PATCHES[:stage])}:")
+            for name, how in applied.items():
+                print(f"  git apply {name}: {how}")
+        return 0
     proven = all(
         [_prove(PATCHES[:stage], args.test_args, args.keep) for stage in range(1, len(PATCHES) + 1)]
     )
