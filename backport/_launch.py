@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import socket
@@ -53,6 +54,13 @@ def _rank_main(rank, world_size, port, fn, args, results) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # destroy_process_group() unregisters the groups, but a gloo group that
+        # something still holds (FSDP2's mesh info, in the reference cycles fn
+        # left behind) keeps its worker threads. One that drops the last
+        # collective's tensors after the interpreter began to finalize cannot
+        # take the GIL and aborts the rank ("terminate called without an active
+        # exception", c10d_issue/ISSUE.md). Freeing the groups now joins them.
+        gc.collect()
 
 
 def run_ranks(

@@ -19,6 +19,7 @@ checkpoint into a fresh model and checks that training continues identically.
 import backport; backport.apply()  # noqa: E702, I001 - first, before anything checkpoints
 
 import argparse
+import gc
 
 import torch
 import torch.distributed
@@ -134,7 +135,9 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        # A process group still alive at interpreter exit can abort the process
-        # (SIGABRT from its worker threads); end it on every path.
+        # A gloo group's worker threads that outlive the script can abort the
+        # process at exit (c10d_issue/ISSUE.md): end the group on every path,
+        # then free what main() left holding it, which joins those threads.
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        gc.collect()
