@@ -14,7 +14,10 @@ class the series adds twice:
 2. with the patched ``state_dict.py`` loaded in place of the installed one,
    under its real module name, in every process the test starts: it must pass.
 
-The installed torch is never modified. Exits 0 only if both hold at every stage.
+Every process of both runs collects garbage before Python finalizes, which frees
+the gloo groups the test's models still hold and so avoids a torch race that can
+abort a rank at exit (``c10d_issue/ISSUE.md``). The installed torch is never
+modified. Exits 0 only if both hold at every stage.
 """
 
 from __future__ import annotations
@@ -40,9 +43,14 @@ MODULE = "torch.distributed.checkpoint.state_dict"
 # near a hunk (2.10's _verify_options) need one line less.
 CONTEXT_FALLBACK = ["-C1"]
 
-# Imported by every Python process started with the scratch dir on PYTHONPATH,
-# including the ranks the test spawns: serve the patched file for MODULE.
+# Imported by every Python process of both test runs, the ranks the test
+# spawns included. With TORCH_PATCH_STATE_DICT set (the patched run) it serves
+# that file for MODULE. In both runs it frees, before Python finalizes, the
+# gloo groups that the test's models still hold after destroy_process_group():
+# their worker threads otherwise can abort a rank at exit (c10d_issue/ISSUE.md).
 SITECUSTOMIZE = f'''\
+import atexit
+import gc
 import importlib.abc
 import importlib.util
 import os
@@ -51,7 +59,7 @@ import sys
 
 class _PatchedStateDictFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname != {MODULE!r}:
+        if fullname != {MODULE!r} or "TORCH_PATCH_STATE_DICT" not in os.environ:
             return None
         return importlib.util.spec_from_file_location(
             fullname, os.environ["TORCH_PATCH_STATE_DICT"]
@@ -59,6 +67,7 @@ class _PatchedStateDictFinder(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _PatchedStateDictFinder())
+atexit.register(gc.collect)
 '''
 
 
@@ -136,7 +145,12 @@ def _prove(patches: list[Path], test_args: list[str], keep: bool) -> bool:
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
 
-    base_env = {**os.environ, "PYTORCH_PRINT_REPRO_ON_FAILURE": "0"}
+    pythonpath = [*filter(None, [os.environ.get("PYTHONPATH")])]
+    base_env = {
+        **os.environ,
+        "PYTORCH_PRINT_REPRO_ON_FAILURE": "0",
+        "PYTHONPATH": os.pathsep.join([str(site), *pythonpath]),
+    }
     base_env.pop("TORCH_PATCH_STATE_DICT", None)
     # With CI set, torch's run_tests() writes XML reports through xmlrunner,
     # which is PyTorch's CI dependency, not ours; the proof reads unittest's
@@ -144,9 +158,7 @@ def _prove(patches: list[Path], test_args: list[str], keep: bool) -> bool:
     base_env.pop("CI", None)
     patched_env = {
         **base_env,
-        "PYTHONPATH": os.pathsep.join(
-            [str(site), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
-        ),
+        "PYTHONPATH": os.pathsep.join([str(site), str(REPO), *pythonpath]),
         "TORCH_PATCH_STATE_DICT": str(tree / TARGET),
     }
     # The patched module must be the one that loads, and the backport must
