@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import queue
@@ -32,6 +33,9 @@ def _rank_main(rank, world_size, port, fn, args, results) -> None:
 
     # Native libraries (gloo) log to stdout; keep the parent's stdout for results.
     os.dup2(2, 1)
+    # A rank killed by a signal (SIGSEGV, SIGABRT) prints its Python stacks to
+    # stderr, which the test's report shows, instead of only its exit code.
+    faulthandler.enable()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
