@@ -102,6 +102,12 @@ def _apply_to_copy(tree: Path, patches: list[Path]) -> dict[str, str]:
     return {patch.name: _apply(tree, patch) for patch in patches}
 
 
+def _print_applied(version: str, patches: list[Path], applied: dict[str, str]) -> None:
+    print(f"torch {version} + {' + '.join(patch.name[:4] for patch in patches)}:")
+    for name, how in applied.items():
+        print(f"  git apply {name}: {how}")
+
+
 class TestRun(NamedTuple):
     returncode: int
     tests: int | None  # unittest's "Ran N tests"; None if the run never got there
@@ -184,9 +190,7 @@ def _prove(patches: list[Path], test_args: list[str], keep: bool) -> bool:
         and patched.returncode == 0
         and patched.summary.startswith("OK")
     )
-    print(f"torch {version} + {' + '.join(patch.name[:4] for patch in patches)}:")
-    for name, how in applied.items():
-        print(f"  git apply {name}: {how}")
+    _print_applied(version, patches, applied)
     print(f"  upstream test {test_file.relative_to(tree)}:")
     print(f"    torch as installed: {unpatched.describe()}")
     print(f"    patched state_dict.py: {patched.describe()}")
@@ -214,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         for stage in range(1, len(PATCHES) + 1):
             with tempfile.TemporaryDirectory(prefix="torch_patch.") as scratch:
                 applied = _apply_to_copy(Path(scratch), PATCHES[:stage])
-            print(f"torch {version} + {' + '.join(p.name[:4] for p in PATCHES[:stage])}:")
-            for name, how in applied.items():
-                print(f"  git apply {name}: {how}")
+            _print_applied(version, PATCHES[:stage], applied)
         return 0
     proven = all(
         [_prove(PATCHES[:stage], args.test_args, args.keep) for stage in range(1, len(PATCHES) + 1)]
