@@ -8,7 +8,7 @@ backport), or only the stock half of the setups named on the command line.
 Prints each rank's memcheck error kinds; exits 1 if any invalid access lies
 outside the dynamic loader (whose start-up reads memcheck always reports).
 
-    python test/memcheck_ranks.py                    # the whole worker: 5 minutes
+    python test/memcheck_ranks.py                    # the whole worker: 6 minutes
     python test/memcheck_ranks.py explicit_unshard   # one setup, stock torch only
 """
 
