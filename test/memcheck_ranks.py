@@ -16,22 +16,25 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 from datetime import timedelta
 
 
-WORLD_SIZE = 2
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+from backport._launch import _free_port  # noqa: E402
+
+
+WORLD_SIZE = 2
 LOADER_FRAMES = ("dl-load.c", "strcmp-sse2.S")
 
 
 def rank_main(names: list[str]) -> None:
     import gc
 
-    sys.path[:0] = [os.path.dirname(HERE), HERE]
     import torch
     import torch.distributed as dist
 
@@ -70,9 +73,7 @@ def heap_errors(log: str) -> list[str]:
 
 
 def main(names: list[str]) -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = _free_port()
     with tempfile.TemporaryDirectory() as logs:
         procs = []
         for rank in range(WORLD_SIZE):
