@@ -7,6 +7,10 @@ own virtualenv, then runs pytest; arguments after ``--`` go to pytest. The
 with the ``test`` extra's) and runs ``test/test_twinkle.py``.
 """
 
+import contextlib
+import os
+import shutil
+
 import nox
 
 
@@ -62,8 +66,24 @@ MULTI_RANK_TESTS = [
 ]
 
 nox.options.reuse_existing_virtualenvs = True
+
+# A CUDA build of torch fills 5.5-7.3 GB of virtualenv, and the five sessions'
+# virtualenvs 23 GB: more than some CI machines have free (a run failed with
+# "No space left on device" installing the fourth). With DISCARD_NOX_VENVS=1,
+# which .ci/run sets, each session removes its virtualenv when it ends,
+# whatever the result, so one is on disk at a time.
+DISCARD_VENVS = os.environ.get("DISCARD_NOX_VENVS") == "1"
 # `nox` alone runs these (what CI runs); `nox -s flake` is run by hand.
 nox.options.sessions = ["tests", "twinkle"]
+
+
+@contextlib.contextmanager
+def _virtualenv_discarded_after(session: nox.Session):
+    try:
+        yield
+    finally:
+        if DISCARD_VENVS:
+            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
 
 def _install(session: nox.Session, *args: str) -> None:
@@ -75,21 +95,23 @@ def _install(session: nox.Session, *args: str) -> None:
 @nox.parametrize("torch", TORCH_VERSIONS)
 def tests(session: nox.Session, torch: str) -> None:
     extras = "test,frameworks" if torch == FRAMEWORKS_TORCH else "test"
-    _install(session, f"torch=={torch}", f".[{extras}]")
     # --durations: the slowest tests of each session show in the log.
     default = ["-q", "--durations=15"]
     if torch.startswith("2.7."):
         default += TORCH_27_TESTS
     elif torch == FRAMEWORKS_TORCH:
         default += FRAMEWORKS_TORCH_SELECTION
-    session.run("python", "-m", "pytest", *(session.posargs or default))
+    with _virtualenv_discarded_after(session):
+        _install(session, f"torch=={torch}", f".[{extras}]")
+        session.run("python", "-m", "pytest", *(session.posargs or default))
 
 
 @nox.session
 def twinkle(session: nox.Session) -> None:
-    _install(session, "torch==2.13.0", ".[twinkle]")
     default = ["-q", "--durations=15", "test/test_twinkle.py"]
-    session.run("python", "-m", "pytest", *(session.posargs or default))
+    with _virtualenv_discarded_after(session):
+        _install(session, "torch==2.13.0", ".[twinkle]")
+        session.run("python", "-m", "pytest", *(session.posargs or default))
 
 
 @nox.session
