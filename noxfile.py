@@ -67,8 +67,8 @@ MULTI_RANK_TESTS = [
 
 nox.options.reuse_existing_virtualenvs = True
 
-# A CUDA build of torch fills 5.5-7.3 GB of virtualenv, and the five sessions'
-# virtualenvs 23 GB: more than some CI machines have free (a run failed with
+# A CUDA build of torch fills 5.5-7.3 GiB of virtualenv, and the five sessions'
+# virtualenvs 23 GiB: more than some CI machines have free (a run failed with
 # "No space left on device" installing the fourth). With DISCARD_NOX_VENVS=1,
 # which .ci/run sets, each session removes its virtualenv when it ends,
 # whatever the result, so one is on disk at a time.
