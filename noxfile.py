@@ -7,7 +7,6 @@ own virtualenv, then runs pytest; arguments after ``--`` go to pytest. The
 with the ``test`` extra's) and runs ``test/test_twinkle.py``.
 """
 
-import contextlib
 import os
 import shutil
 
@@ -77,18 +76,20 @@ DISCARD_VENVS = os.environ.get("DISCARD_NOX_VENVS") == "1"
 nox.options.sessions = ["tests", "twinkle"]
 
 
-@contextlib.contextmanager
-def _virtualenv_discarded_after(session: nox.Session):
-    try:
-        yield
-    finally:
-        if DISCARD_VENVS:
-            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
-
-
 def _install(session: nox.Session, *args: str) -> None:
     # Some machines cap pip at an older torch through a constraints file.
     session.install(*args, env={"PIP_CONSTRAINT": "/dev/null"})
+
+
+def _install_and_test(
+    session: nox.Session, requirements: list[str], pytest_args: list[str]
+) -> None:
+    try:
+        _install(session, *requirements)
+        session.run("python", "-m", "pytest", *pytest_args)
+    finally:
+        if DISCARD_VENVS:
+            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
 
 @nox.session
@@ -101,17 +102,17 @@ def tests(session: nox.Session, torch: str) -> None:
         default += TORCH_27_TESTS
     elif torch == FRAMEWORKS_TORCH:
         default += FRAMEWORKS_TORCH_SELECTION
-    with _virtualenv_discarded_after(session):
-        _install(session, f"torch=={torch}", f".[{extras}]")
-        session.run("python", "-m", "pytest", *(session.posargs or default))
+    _install_and_test(
+        session, [f"torch=={torch}", f".[{extras}]"], session.posargs or default
+    )
 
 
 @nox.session
 def twinkle(session: nox.Session) -> None:
     default = ["-q", "--durations=15", "test/test_twinkle.py"]
-    with _virtualenv_discarded_after(session):
-        _install(session, "torch==2.13.0", ".[twinkle]")
-        session.run("python", "-m", "pytest", *(session.posargs or default))
+    _install_and_test(
+        session, ["torch==2.13.0", ".[twinkle]"], session.posargs or default
+    )
 
 
 @nox.session
