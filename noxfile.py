@@ -66,14 +66,15 @@ MULTI_RANK_TESTS = [
 
 nox.options.reuse_existing_virtualenvs = True
 
+# `nox` alone runs these (what CI runs); `nox -s flake` is run by hand.
+nox.options.sessions = ["tests", "twinkle"]
+
 # A CUDA build of torch fills 5.5-7.3 GiB of virtualenv, and the five sessions'
 # virtualenvs 23 GiB: more than some CI machines have free (a run failed with
 # "No space left on device" installing the fourth). With DISCARD_NOX_VENVS=1,
 # which .ci/run sets, each session removes its virtualenv when it ends,
 # whatever the result, so one is on disk at a time.
 DISCARD_VENVS = os.environ.get("DISCARD_NOX_VENVS") == "1"
-# `nox` alone runs these (what CI runs); `nox -s flake` is run by hand.
-nox.options.sessions = ["tests", "twinkle"]
 
 
 def _install(session: nox.Session, *args: str) -> None:
