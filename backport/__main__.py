@@ -1,3 +1,10 @@
+"""``python -m backport``: see backport/_diagnose.py, or ``python -m backport --help``.
+
+Exit status: 0 not affected, or affected and fixed by ``backport.apply()``; 1
+affected and not fixed, ``apply()`` breaks a working step, unsupported torch, or
+the check could not run; 2 usage error.
+"""
+
 import os
 import sys
 import warnings

@@ -1,28 +1,52 @@
-"""``python -m backport``: does the installed torch have the bug, and does apply() fix it?
+"""Check whether the installed torch has the FSDP2 evaluation checkpoint bug, and
+whether backport.apply() fixes it.
 
-Runs a real FSDP2 job in two CPU processes (gloo): one training step, an
-evaluation forward under ``torch.no_grad()``, then the optimizer state is saved
-with ``get_optimizer_state_dict`` and loaded back with
-``set_optimizer_state_dict``; once on torch as installed, once after
-``backport.apply()``.
+Runs a small FSDP2 job in 2 CPU processes (gloo; no GPU needed; 10 s to a
+minute): one training step, an evaluation forward under torch.no_grad(), then
+get_optimizer_state_dict and set_optimizer_state_dict. Once on torch as
+installed, once after backport.apply() in those 2 processes only: nothing is
+written to disk, and your torch stays unpatched until your code calls
+backport.apply().
+
+Exit status:
+  0  not affected, or affected and fixed by backport.apply()
+  1  affected and backport.apply() does not fix it; backport.apply() breaks a
+     step that works without it; the installed torch is not supported by the
+     backport; or the check could not run
+  2  usage error
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
+import textwrap
 import warnings
 
 import backport
-from backport._launch import run_ranks
+from backport._launch import RankError, run_ranks
 
 
 WORLD_SIZE = 2
+_OK = "ok"
+# (row label, key in a scenario's outcome)
+_STEPS = (
+    ("optimizer state saved after no_grad eval", "save"),
+    ("optimizer state loaded after no_grad eval", "load"),
+)
+
+
+def _progress(line: str) -> None:
+    # stderr: the ranks' stdout goes there too (backport._launch), and the
+    # report on stdout stays clean when redirected.
+    print(f"backport: {line}", file=sys.stderr, flush=True)
 
 
 def _build():
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
+    from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -75,7 +99,6 @@ def _scenario() -> dict[str, str]:
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
-
     from torch.utils._pytree import tree_map_only
 
     model, optim = _build()
@@ -90,7 +113,7 @@ def _scenario() -> dict[str, str]:
         model(torch.randn(4, 8))
     try:
         saved = get_optimizer_state_dict(model, optim)
-        outcome["save"] = "ok" if _equal(_snapshot(saved), expected) else "WRONG VALUES"
+        outcome["save"] = _OK if _equal(_snapshot(saved), expected) else "WRONG VALUES"
     except Exception as err:  # noqa: BLE001 - reported in the table
         outcome["save"] = _error(err)
     with torch.no_grad():
@@ -101,7 +124,7 @@ def _scenario() -> dict[str, str]:
     try:
         set_optimizer_state_dict(model, optim, reference)
         restored = _snapshot(get_optimizer_state_dict(model, optim))
-        outcome["load"] = "ok" if _equal(restored, expected) else "WRONG VALUES"
+        outcome["load"] = _OK if _equal(restored, expected) else "WRONG VALUES"
     except Exception as err:  # noqa: BLE001 - reported in the table
         outcome["load"] = _error(err)
     return outcome
@@ -109,43 +132,142 @@ def _scenario() -> dict[str, str]:
 
 def _worker() -> dict[str, object]:
     import torch
+    import torch.distributed as dist
 
-    result: dict[str, object] = {"torch": str(torch.__version__)}
-    result["status_before"] = backport.status()
+    report = _progress if dist.get_rank() == 0 else lambda line: None
+    result: dict[str, object] = {
+        "torch": str(torch.__version__),
+        "torch_dir": os.path.dirname(torch.__file__),
+        "status": backport.status(),
+    }
+    report(f"checking torch {torch.__version__} as installed...")
     result["without"] = _scenario()
     try:
         with warnings.catch_warnings():
+            # "not needed" is reported from status above.
             warnings.simplefilter("ignore", backport.BackportWarning)
-            result["status_after"] = backport.apply()
+            backport.apply()
     except backport.UnsupportedTorchError as err:
-        result["status_after"] = f"apply() refused: {err}"
+        result["refused"] = str(err)
         return result
-    result["with"] = _scenario()
-    backport.revert()
+    try:
+        report("checking again with backport.apply() in these processes...")
+        result["with"] = _scenario()
+    finally:
+        backport.revert()
     return result
 
 
-def main() -> int:
-    print(f"backport {backport.__version__}: running FSDP2 on {WORLD_SIZE} CPU processes (gloo)...")
-    result = run_ranks(WORLD_SIZE, _worker)[0]
-    without, with_fix = result["without"], result.get("with")
-    rows = [
-        ("optimizer state saved after no_grad eval", "save"),
-        ("optimizer state loaded after no_grad eval", "load"),
+def _table(without: dict[str, str], with_fix: dict[str, str] | None) -> list[str]:
+    width = max(len(label) for label, _ in _STEPS)
+    lines = [
+        f"{'step'.ljust(width)} | {'torch as installed':<38} | with backport.apply()",
+        f"{'-' * width}-|-{'-' * 38}-|-{'-' * 22}",
     ]
-    width = max(len(label) for label, _ in rows)
-    print(f"torch {result['torch']}")
-    print(f"{'step'.ljust(width)} | {'torch as installed':<38} | with backport.apply()")
-    print(f"{'-' * width}-|-{'-' * 38}-|-{'-' * 22}")
-    for label, key in rows:
+    for label, key in _STEPS:
         fixed = with_fix[key] if with_fix else "-"
-        print(f"{label.ljust(width)} | {without[key]:<38} | {fixed}")
-    affected = any(value != "ok" for value in without.values())
-    fixed = with_fix is not None and all(value == "ok" for value in with_fix.values())
-    print(f"affected: {'yes' if affected else 'no'}")
-    print(f"fixed by backport.apply(): {'yes' if fixed else 'no'}")
-    print(f"backport: {result['status_after']}")
-    return 0 if fixed or not affected else 1
+        lines.append(f"{label.ljust(width)} | {without[key]:<38} | {fixed}")
+    return lines
+
+
+def _affected(outcomes: list[str]) -> list[str]:
+    if any(value.startswith("KeyError") for value in outcomes):
+        return [
+            "Affected: yes. After the evaluation forward, DSD could not map the optimizer's",
+            "parameters to the model's: the model still holds FSDP2's unsharded parameters,",
+            "the optimizer the sharded ones. Each KeyError is the optimizer parameter DSD",
+            "looked for, by its index (KeyError: <n>) or itself (KeyError: DTensor(...)).",
+        ]
+    if "WRONG VALUES" in outcomes:
+        return [
+            "Affected: yes. After the evaluation forward, the optimizer state read back",
+            "differs from the state before it.",
+        ]
+    return ["Affected: yes. After the evaluation forward, a step raised the error shown."]
+
+
+def _report(result: dict[str, object]) -> tuple[str, int]:
+    """Return the report on ``result`` from rank 0 and the exit status."""
+    version = result["torch"]
+    without = result["without"]
+    with_fix = result.get("with")
+    affected = any(value != _OK for value in without.values())
+    lines = [f"torch {version} ({result['torch_dir']})", *_table(without, with_fix), ""]
+    if affected:
+        lines += _affected(list(without.values()))
+    elif str(result["status"]).startswith("not needed: "):
+        lines += [f"Affected: no. {str(result['status'])[len('not needed: '):]}."]
+    else:
+        lines += [
+            f"Affected: no. torch {version} saved and loaded the optimizer state after",
+            "the evaluation forward: you do not need backport.apply().",
+        ]
+    if "refused" in result:
+        lines += [
+            "",
+            "backport.apply() refused this torch, so the backport cannot be used with it:",
+            *textwrap.wrap(str(result["refused"]), width=80),
+        ]
+        return "\n".join(lines), 1
+    fixed = all(value == _OK for value in with_fix.values())
+    if affected and fixed:
+        lines += [
+            "",
+            "Fixed by backport.apply(): yes (right column). This check applied it in its",
+            f"own {WORLD_SIZE} processes only: your torch is not patched.",
+            "",
+            "Next step: on every rank, before the first checkpoint (e.g. at the top of the",
+            "training script), add",
+            "",
+            "    import backport; backport.apply()",
+            "",
+            "or vendor the backport: copy this one file into your code base under any name",
+            "and call its apply() the same way:",
+            f"    {os.path.abspath(backport.__file__)}",
+        ]
+        return "\n".join(lines), 0
+    if affected:
+        lines += [
+            "",
+            "Fixed by backport.apply(): no (right column). Do not rely on the backport with",
+            f"torch {version}; please report this output and how torch was installed.",
+        ]
+        return "\n".join(lines), 1
+    if not fixed:
+        lines += [
+            "",
+            "backport.apply() makes a step fail that works without it (right column): do not",
+            f"use the backport with torch {version}; please report this output.",
+        ]
+        return "\n".join(lines), 1
+    return "\n".join(lines), 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    description, _, exit_status = (__doc__ or "").partition("\nExit status:\n")
+    return argparse.ArgumentParser(
+        prog="python -m backport",
+        description=description,
+        epilog=f"exit status:\n{exit_status}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Parsed before torch is imported, so --help and usage errors answer at once.
+    _parser().parse_args(argv)
+    _progress(
+        f"starting {WORLD_SIZE} CPU processes (gloo) for the check (backport "
+        f"{backport.__version__}), 10 s to a minute..."
+    )
+    try:
+        result = run_ranks(WORLD_SIZE, _worker)[0]
+    except RankError as err:
+        _progress(f"the check could not run:\n{err}")
+        return 1
+    text, status = _report(result)
+    print(text, flush=True)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""``python -m backport`` on the installed torch: affected, and fixed by apply()."""
+"""``python -m backport``: its report, its exit status and its command line."""
 
 import os
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 from pathlib import Path
 
@@ -11,48 +12,209 @@ import expecttest
 import torch
 
 import backport
+from backport._diagnose import _report
+
+
+def _render(text: str) -> str:
+    return (
+        text.replace(os.path.abspath(backport.__file__), "<backport/__init__.py>")
+        .replace(os.path.dirname(torch.__file__), "<torch_dir>")
+        .replace(str(torch.__version__), "<torch>")
+        .replace(backport.__version__, "<version>")
+    )
+
+
+def _python_m_backport(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        **kwargs,
+    )
+
+
+def _imported(importtime_log: str) -> set[str]:
+    # -X importtime's lines end with "| <module name>", indented by depth.
+    return {line.rsplit("|", 1)[-1].strip() for line in importtime_log.splitlines()}
 
 
 class DiagnoseTest(expecttest.TestCase):
     def test_python_m_backport(self) -> None:
-        proc = subprocess.run(
-            [sys.executable, "-m", "backport"], capture_output=True, text=True, timeout=300
-        )
+        """The installed torch is affected and apply() fixes it: the report says what to do."""
+        proc = _python_m_backport("-m", "backport")
         self.assertEqual(proc.returncode, 0, proc.stderr)
-        out = proc.stdout.replace(str(torch.__version__), "<torch>").replace(
-            backport.__version__, "<version>"
-        )
-        self.assertExpectedInline(out, """\
-backport <version>: running FSDP2 on 2 CPU processes (gloo)...
-torch <torch>
+        self.assertExpectedInline(_render(proc.stdout), """\
+torch <torch> (<torch_dir>)
 step                                      | torch as installed                     | with backport.apply()
 ------------------------------------------|----------------------------------------|-----------------------
 optimizer state saved after no_grad eval  | KeyError: 4                            | ok
 optimizer state loaded after no_grad eval | KeyError: DTensor(...)                 | ok
-affected: yes
-fixed by backport.apply(): yes
-backport: applied: torch <torch>, torch.distributed.checkpoint.state_dict._verify_options wrapped (backport <version>)
+
+Affected: yes. After the evaluation forward, DSD could not map the optimizer's
+parameters to the model's: the model still holds FSDP2's unsharded parameters,
+the optimizer the sharded ones. Each KeyError is the optimizer parameter DSD
+looked for, by its index (KeyError: <n>) or itself (KeyError: DTensor(...)).
+
+Fixed by backport.apply(): yes (right column). This check applied it in its
+own 2 processes only: your torch is not patched.
+
+Next step: on every rank, before the first checkpoint (e.g. at the top of the
+training script), add
+
+    import backport; backport.apply()
+
+or vendor the backport: copy this one file into your code base under any name
+and call its apply() the same way:
+    <backport/__init__.py>
 """)
+        # One line per stage while it runs; gloo's own log (torch 2.10) is not one.
+        progress = [line for line in proc.stderr.splitlines() if line.startswith("backport:")]
+        self.assertExpectedInline(_render("\n".join(progress)), """\
+backport: starting 2 CPU processes (gloo) for the check (backport <version>), 10 s to a minute...
+backport: checking torch <torch> as installed...
+backport: checking again with backport.apply() in these processes...""")
 
     def test_no_torch_warnings_without_numpy(self) -> None:
-        # A fresh install has no numpy, and torch warns about it at import.
+        """torch's warning about a missing numpy does not reach the user: the check needs none."""
         with tempfile.TemporaryDirectory() as shadow:
             (Path(shadow) / "numpy").mkdir()
             (Path(shadow) / "numpy" / "__init__.py").write_text(
                 "raise ModuleNotFoundError(\"No module named 'numpy'\")\n"
             )
             path = os.pathsep.join(filter(None, [shadow, os.environ.get("PYTHONPATH")]))
-            proc = subprocess.run(
-                [sys.executable, "-m", "backport"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                env={**os.environ, "PYTHONPATH": path},
+            proc = _python_m_backport(
+                "-m", "backport", env={**os.environ, "PYTHONPATH": path}
             )
         self.assertEqual(proc.returncode, 0, proc.stderr)
         # gloo's own connection log (torch 2.10) may remain; warnings may not.
         warnings = [line for line in proc.stderr.splitlines() if "Warning" in line]
         self.assertEqual(warnings, [])
+
+    def test_help_answers_at_once(self) -> None:
+        """--help and -h print the usage and exit status without importing torch."""
+        for flag in ("--help", "-h"):
+            start = time.monotonic()
+            # -X importtime lists every module imported, on stderr.
+            proc = _python_m_backport("-X", "importtime", "-m", "backport", flag)
+            elapsed = time.monotonic() - start
+            self.assertEqual(proc.returncode, 0, proc.stderr)
+            self.assertFalse("torch" in _imported(proc.stderr), f"{flag} imported torch")
+            # No torch, so no ranks; importing torch alone takes over 1 s here.
+            self.assertLess(elapsed, 5.0)
+        self.assertExpectedInline(proc.stdout, """\
+usage: python -m backport [-h]
+
+Check whether the installed torch has the FSDP2 evaluation checkpoint bug, and
+whether backport.apply() fixes it.
+
+Runs a small FSDP2 job in 2 CPU processes (gloo; no GPU needed; 10 s to a
+minute): one training step, an evaluation forward under torch.no_grad(), then
+get_optimizer_state_dict and set_optimizer_state_dict. Once on torch as
+installed, once after backport.apply() in those 2 processes only: nothing is
+written to disk, and your torch stays unpatched until your code calls
+backport.apply().
+
+options:
+  -h, --help  show this help message and exit
+
+exit status:
+  0  not affected, or affected and fixed by backport.apply()
+  1  affected and backport.apply() does not fix it; backport.apply() breaks a
+     step that works without it; the installed torch is not supported by the
+     backport; or the check could not run
+  2  usage error
+""")
+
+    def test_usage_error(self) -> None:
+        """An unknown argument is a usage error (exit status 2), with no check run."""
+        proc = _python_m_backport("-X", "importtime", "-m", "backport", "--world-size=4")
+        self.assertEqual(proc.returncode, 2)
+        self.assertFalse("torch" in _imported(proc.stderr), "a usage error imported torch")
+        self.assertExpectedInline(
+            "\n".join(line for line in proc.stderr.splitlines() if "import time" not in line),
+            """\
+usage: python -m backport [-h]
+python -m backport: error: unrecognized arguments: --world-size=4""",
+        )
+
+
+def _result(without, with_fix=None, **fields) -> dict:
+    # What rank 0's worker returns, for torch releases and outcomes not installed here.
+    result = {"torch": "2.99.0", "torch_dir": "<torch_dir>", "without": without, **fields}
+    if with_fix is not None:
+        result["with"] = with_fix
+    return result
+
+
+class ReportTest(expecttest.TestCase):
+    """The verdict and exit status for each outcome, from worker results."""
+
+    def _report(self, result: dict) -> str:
+        text, status = _report(result)
+        table_end = text.index("\n\n")
+        return f"exit status {status}\n{text[table_end + 2:]}"
+
+    def test_not_affected(self) -> None:
+        ok = {"save": "ok", "load": "ok"}
+        status = "not applied: torch 2.99.0 has the bug; call backport.apply()"
+        self.assertExpectedInline(self._report(_result(ok, ok, status=status)), """\
+exit status 0
+Affected: no. torch 2.99.0 saved and loaded the optimizer state after
+the evaluation forward: you do not need backport.apply().""")
+
+    def test_torch_with_the_fix(self) -> None:
+        ok = {"save": "ok", "load": "ok"}
+        status = "not needed: torch 2.99.0 already contains the fix; remove the backport"
+        self.assertExpectedInline(self._report(_result(ok, ok, status=status)), """\
+exit status 0
+Affected: no. torch 2.99.0 already contains the fix; remove the backport.""")
+
+    def test_unsupported_torch(self) -> None:
+        failed = {"save": "KeyError: 4", "load": "KeyError: DTensor(...)"}
+        refused = (
+            "torch 2.99.0 is not supported by this backport (supported: torch 2.7 to "
+            "2.15); install a supported torch, or check whether your torch already fixes "
+            "FSDP2 optimizer state dicts after evaluation and drop the backport."
+        )
+        result = _result(failed, status=f"unsupported: {refused}", refused=refused)
+        self.assertExpectedInline(self._report(result), """\
+exit status 1
+Affected: yes. After the evaluation forward, DSD could not map the optimizer's
+parameters to the model's: the model still holds FSDP2's unsharded parameters,
+the optimizer the sharded ones. Each KeyError is the optimizer parameter DSD
+looked for, by its index (KeyError: <n>) or itself (KeyError: DTensor(...)).
+
+backport.apply() refused this torch, so the backport cannot be used with it:
+torch 2.99.0 is not supported by this backport (supported: torch 2.7 to 2.15);
+install a supported torch, or check whether your torch already fixes FSDP2
+optimizer state dicts after evaluation and drop the backport.""")
+        # Unsupported is exit status 1 even where the bug does not show.
+        ok = {"save": "ok", "load": "ok"}
+        self.assertEqual(_report(_result(ok, refused=refused, status="unsupported"))[1], 1)
+
+    def test_affected_and_not_fixed(self) -> None:
+        failed = {"save": "ok", "load": "WRONG VALUES"}
+        result = _result(failed, failed, status="not applied")
+        self.assertExpectedInline(self._report(result), """\
+exit status 1
+Affected: yes. After the evaluation forward, the optimizer state read back
+differs from the state before it.
+
+Fixed by backport.apply(): no (right column). Do not rely on the backport with
+torch 2.99.0; please report this output and how torch was installed.""")
+
+    def test_apply_breaks_a_working_step(self) -> None:
+        ok = {"save": "ok", "load": "ok"}
+        broken = {"save": "ok", "load": "RuntimeError: boom"}
+        self.assertExpectedInline(self._report(_result(ok, broken, status="not applied")), """\
+exit status 1
+Affected: no. torch 2.99.0 saved and loaded the optimizer state after
+the evaluation forward: you do not need backport.apply().
+
+backport.apply() makes a step fail that works without it (right column): do not
+use the backport with torch 2.99.0; please report this output.""")
 
 
 if __name__ == "__main__":
