@@ -36,10 +36,12 @@ target=torch/distributed/checkpoint/state_dict.py
 site=$("$python" -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))")
 mkdir -p "$tree/$(dirname "$target")"
 cp "$site/$target" "$tree/$target"
-# The wheels ship no tests: the stand-in holds what the series' test hunks edit.
-test_file=test/distributed/checkpoint/fsdp/test_fsdp_dsd.py
-mkdir -p "$tree/$(dirname "$test_file")"
-cp "$here/test_fsdp_dsd_base.py" "$tree/$test_file"
+# The wheels ship no tests: the stand-ins hold what the series' test hunks edit.
+for pair in fsdp/test_fsdp_dsd.py:test_fsdp_dsd_base.py test_state_dict.py:test_state_dict_base.py; do
+  test_file=test/distributed/checkpoint/${pair%%:*}
+  mkdir -p "$tree/$(dirname "$test_file")"
+  cp "$here/${pair#*:}" "$tree/$test_file"
+done
 cd "$tree"
 git init -q && git add -A && git -c user.name=lint -c user.email=lint@localhost commit -qm base
 for patch in "$here"/0*.patch; do git apply "$patch"; done
