@@ -1,9 +1,15 @@
 """apply() / revert() / status() on the installed torch, in this process."""
 
+import ast
+import importlib.util
+import sys
+import tempfile
 import threading
 import types
 import unittest
 import warnings
+from collections import Counter
+from pathlib import Path
 
 import expecttest
 import torch
@@ -12,20 +18,106 @@ import torch.distributed.checkpoint.state_dict as dsd
 import backport
 
 
+SOURCE = Path(backport.__file__)
+
+
 def _render(line: str) -> str:
     return line.replace(str(torch.__version__), "<torch>").replace(
         backport.__version__, "<version>"
     )
 
 
+class _RecordingModule(types.ModuleType):
+    """A module that records the names assigned on it, in order."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        self.__dict__.setdefault("_test_writes", []).append(name)
+        super().__setattr__(name, value)
+
+
+def _check_concurrent_apply(
+    test: unittest.TestCase, bp: types.ModuleType, threads: int = 8, rounds: int = 100
+) -> None:
+    """``threads`` threads enter ``bp.apply()`` together, ``rounds`` times.
+
+    Each round, every function in ``bp._WRAPPERS`` must be assigned exactly once
+    (one wrapper, around the exact original), every thread must see the wrappers
+    that stay installed once its apply() returns, and ``bp.revert()`` must put
+    back the exact original objects.
+    """
+    originals = {name: getattr(dsd, name) for name in bp._WRAPPERS}
+    # Thread switches as often as the interpreter allows, so that a race shows.
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    dsd.__class__ = _RecordingModule
+    try:
+
+        def race(start: threading.Barrier, seen: list) -> None:
+            start.wait()
+            bp.apply()
+            seen.append({name: getattr(dsd, name) for name in bp._WRAPPERS})
+
+        for _ in range(rounds):
+            dsd.__dict__["_test_writes"] = []
+            start = threading.Barrier(threads)
+            seen = []
+            workers = [
+                threading.Thread(target=race, args=(start, seen)) for _ in range(threads)
+            ]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            writes = dsd.__dict__.pop("_test_writes")
+            installed = {name: getattr(dsd, name) for name in bp._WRAPPERS}
+            test.assertEqual(
+                Counter(writes), Counter(list(bp._WRAPPERS)), "assignments to torch in one round"
+            )
+            test.assertEqual(len(seen), threads)
+            for view in seen:
+                for name, wrapper in view.items():
+                    test.assertIs(wrapper, installed[name], name)
+            for name, wrapper in installed.items():
+                test.assertIs(wrapper.__wrapped__, originals[name], name)
+            bp.revert()
+            for name, original in originals.items():
+                test.assertIs(getattr(dsd, name), original, name)
+    finally:
+        dsd.__class__ = types.ModuleType
+        dsd.__dict__.pop("_test_writes", None)
+        sys.setswitchinterval(switch_interval)
+
+
+def _check_revert_restores_everything(test: unittest.TestCase, bp: types.ModuleType) -> None:
+    """``bp.apply()`` wraps every function in ``bp._WRAPPERS``; ``bp.revert()`` restores each."""
+    originals = {name: getattr(dsd, name) for name in bp._WRAPPERS}
+    bp.apply()
+    for name, original in originals.items():
+        wrapper = getattr(dsd, name)
+        test.assertIsNot(wrapper, original, name)
+        test.assertIs(wrapper.__wrapped__, original, name)
+    line = bp.revert()
+    for name, original in originals.items():
+        test.assertIs(getattr(dsd, name), original, name)
+    test.assertEqual(
+        _render(line), "not applied: torch <torch> has the bug; call backport.apply()"
+    )
+    # Reverting again is a no-op.
+    bp.revert()
+    for name, original in originals.items():
+        test.assertIs(getattr(dsd, name), original, name)
+
+
 class ApplyRevertTest(expecttest.TestCase):
     def setUp(self) -> None:
         self.assertFalse(backport.is_applied(), "a previous test left the backport applied")
         self.original = dsd._verify_options
+        self.originals = {name: getattr(dsd, name) for name in backport._WRAPPERS}
 
     def tearDown(self) -> None:
         backport.revert()
-        self.assertIs(dsd._verify_options, self.original)
+        for name, original in self.originals.items():
+            self.assertIs(getattr(dsd, name), original, name)
 
     def test_import_changes_nothing(self) -> None:
         self.assertIs(backport.get_original(), dsd._verify_options)
@@ -53,30 +145,17 @@ class ApplyRevertTest(expecttest.TestCase):
         self.assertIs(wrapper.__wrapped__, self.original)
 
     def test_apply_is_thread_safe(self) -> None:
-        start = threading.Barrier(8)
+        """Threads entering apply() together install one wrapper per function, once."""
+        _check_concurrent_apply(self, backport)
 
-        def race() -> None:
-            start.wait()
-            backport.apply()
-
-        threads = [threading.Thread(target=race) for _ in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        # One layer of wrapping, whatever the interleaving.
-        self.assertIs(dsd._verify_options.__wrapped__, self.original)
-
-    def test_revert_restores_the_original_object(self) -> None:
-        backport.apply()
-        line = backport.revert()
-        self.assertIs(dsd._verify_options, self.original)
-        self.assertExpectedInline(
-            _render(line), """not applied: torch <torch> has the bug; call backport.apply()"""
-        )
-        # Reverting again is a no-op.
-        backport.revert()
-        self.assertIs(dsd._verify_options, self.original)
+    def test_revert_restores_every_original_object(self) -> None:
+        """revert() puts back the exact original of every function apply() wrapped."""
+        self.assertExpectedInline("\n".join(sorted(backport._WRAPPERS)), """\
+_get_optim_state_dict
+_init_optim_state
+_load_optim_state_dict
+_verify_options""")
+        _check_revert_restores_everything(self, backport)
 
     def test_revert_leaves_a_foreign_wrapper_alone(self) -> None:
         backport.apply()
@@ -98,6 +177,125 @@ class ApplyRevertTest(expecttest.TestCase):
             )
         finally:
             dsd._verify_options = ours
+
+
+def _one(nodes, what: str):
+    found = list(nodes)
+    if len(found) != 1:
+        raise AssertionError(
+            f"backport/__init__.py has {len(found)} {what}, the mutation expects one: "
+            "update the mutation to the new code"
+        )
+    return found[0]
+
+
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    return _one(
+        (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name),
+        f"module-level def {name}()",
+    )
+
+
+def _without_apply_lock(tree: ast.Module, sleep: float) -> None:
+    """apply() without its lock, sleeping ``sleep`` s before each assignment."""
+    apply = _function(tree, "apply")
+    locked = _one(
+        (
+            node
+            for node in ast.walk(apply)
+            if isinstance(node, ast.With)
+            and [ast.unparse(item.context_expr) for item in node.items] == ["_lock"]
+        ),
+        "'with _lock:' in apply()",
+    )
+    locked.items = [
+        ast.withitem(ast.parse("__import__('contextlib').nullcontext()").body[0].value)
+    ]
+    sleeps = 0
+    for node in ast.walk(apply):
+        for field in ("body", "orelse"):
+            statements = getattr(node, field, None)
+            if not isinstance(statements, list):
+                continue
+            mutated = []
+            for statement in statements:
+                if sleep and ast.unparse(statement).startswith("setattr(module, name,"):
+                    mutated.append(ast.parse(f"__import__('time').sleep({sleep})").body[0])
+                    sleeps += 1
+                mutated.append(statement)
+            setattr(node, field, mutated)
+    if sleep and sleeps != 1:
+        raise AssertionError(
+            f"backport/__init__.py has {sleeps} 'setattr(module, name, ...)' in apply(), "
+            "the mutation expects one: update the mutation to the new code"
+        )
+
+
+def _revert_only(tree: ast.Module, names: str) -> None:
+    """revert() restores only ``names`` (an expression), not every name in _WRAPPERS."""
+    loop = _one(
+        (
+            node
+            for node in ast.walk(_function(tree, "revert"))
+            if isinstance(node, ast.For) and ast.unparse(node.iter) == "_WRAPPERS"
+        ),
+        "'for ... in _WRAPPERS:' in revert()",
+    )
+    loop.iter = ast.parse(names, mode="eval").body
+
+
+class MutationTest(unittest.TestCase):
+    """The two checks above fail on copies of backport/__init__.py with the bug they target."""
+
+    def setUp(self) -> None:
+        self.originals = {name: getattr(dsd, name) for name in backport._WRAPPERS}
+        # A mutated copy may leave its wrappers installed.
+        self.addCleanup(self._restore)
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.tmp = Path(tmp.name)
+
+    def _restore(self) -> None:
+        for name, original in self.originals.items():
+            setattr(dsd, name, original)
+
+    def _mutant(self, label: str, mutate) -> types.ModuleType:
+        tree = ast.parse(SOURCE.read_text())
+        mutate(tree)
+        path = self.tmp / f"backport_{label}.py"
+        path.write_text(ast.unparse(ast.fix_missing_locations(tree)))
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    def test_unmutated_copy_passes(self) -> None:
+        """Loading a copy under another name does not by itself fail the checks."""
+        copy = self._mutant("copy", lambda tree: None)
+        _check_concurrent_apply(self, copy)
+        _check_revert_restores_everything(self, copy)
+
+    def test_apply_without_lock_fails_the_thread_check(self) -> None:
+        """apply() without its lock, 50 ms between its check and its assignment."""
+        unlocked = self._mutant("unlocked", lambda tree: _without_apply_lock(tree, 0.05))
+        with self.assertRaises(AssertionError):
+            _check_concurrent_apply(self, unlocked, rounds=5)
+
+    def test_revert_of_one_function_fails_the_revert_check(self) -> None:
+        """revert() that restores only _verify_options, or all but one function."""
+        mutations = {
+            "only_the_target": "(_TARGET_NAME,)",
+            **{
+                f"all_but{name}": f"[n for n in _WRAPPERS if n != {name!r}]"
+                for name in backport._WRAPPERS
+            },
+        }
+        for label, names in mutations.items():
+            with self.subTest(label):
+                partial = self._mutant(label, lambda tree, names=names: _revert_only(tree, names))
+                with self.assertRaises(AssertionError):
+                    _check_revert_restores_everything(self, partial)
+                self._restore()
 
 
 def _module_with(verify_options, **attrs) -> types.ModuleType:
