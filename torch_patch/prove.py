@@ -2,17 +2,21 @@
 
     python torch_patch/prove.py
 
-For each prefix of the series (0001, then 0001 + 0002, ...): copies the
-installed ``torch/distributed/checkpoint/state_dict.py`` into a scratch tree,
-with ``test_fsdp_dsd_base.py`` as upstream's
-``test/distributed/checkpoint/fsdp/test_fsdp_dsd.py`` (the wheels do not ship
-tests; the stand-in holds the file's import header, which the series' test
-hunks edit), applies the patches there with ``git apply``, then runs the test
-class the series adds twice:
+Each patch is proved alone, then the whole series (0001, 0002, 0001 + 0002):
+each stage copies the installed ``torch/distributed/checkpoint/state_dict.py``
+into a scratch tree, with ``test_fsdp_dsd_base.py`` and
+``test_state_dict_base.py`` as upstream's
+``test/distributed/checkpoint/fsdp/test_fsdp_dsd.py`` and
+``test/distributed/checkpoint/test_state_dict.py`` (the wheels do not ship
+tests; the stand-ins hold what the series' test hunks edit), applies the
+stage's patches there with ``git apply``, then runs each test file the stage
+edits twice:
 
-1. against torch as installed: it must fail;
+1. against torch as installed: the stage's tests must fail (a file may pass
+   here when its tests only guard the fix against regressions);
 2. with the patched ``state_dict.py`` loaded in place of the installed one,
-   under its real module name, in every process the test starts: it must pass.
+   under its real module name, in every process the test starts: every file
+   must pass.
 
 Every process of both runs collects garbage before Python finalizes, which frees
 the gloo groups the test's models still hold and so avoids a torch race that can
@@ -28,6 +32,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -36,11 +41,15 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PATCHES = sorted(HERE.glob("0*.patch"))
 TARGET = "torch/distributed/checkpoint/state_dict.py"
-UPSTREAM_TEST = "test/distributed/checkpoint/fsdp/test_fsdp_dsd.py"
-UPSTREAM_TEST_BASE = HERE / "test_fsdp_dsd_base.py"
+# upstream test file -> its stand-in here
+UPSTREAM_TESTS = {
+    "test/distributed/checkpoint/fsdp/test_fsdp_dsd.py": HERE / "test_fsdp_dsd_base.py",
+    "test/distributed/checkpoint/test_state_dict.py": HERE / "test_state_dict_base.py",
+}
 MODULE = "torch.distributed.checkpoint.state_dict"
-# The patches carry two context lines. Releases whose state_dict.py differs
-# near a hunk (2.10's _verify_options) need one line less.
+# The patches carry two context lines and apply with all of them to every
+# release measured; a release whose state_dict.py differs next to a hunk may
+# need one line less, which the output then says.
 CONTEXT_FALLBACK = ["-C1"]
 
 # Imported by every Python process of both test runs, the ranks the test
@@ -92,13 +101,24 @@ def _apply(tree: Path, patch: Path) -> str:
     raise SystemExit(f"git apply --check {patch.name} failed:\n{check.stderr}")
 
 
+def _stages() -> list[list[Path]]:
+    """Each patch alone, then the whole series."""
+    return [[patch] for patch in PATCHES] + ([PATCHES] if len(PATCHES) > 1 else [])
+
+
+def _upstream_tests(patches: list[Path]) -> list[str]:
+    """The upstream test files that ``patches`` edit."""
+    text = "".join(patch.read_text() for patch in patches)
+    return [test for test in UPSTREAM_TESTS if f"diff --git a/{test} " in text]
+
+
 def _apply_to_copy(tree: Path, patches: list[Path]) -> dict[str, str]:
-    """Copy the installed file and the test stand-in into ``tree``; apply ``patches``."""
+    """Copy the installed file and the test stand-ins into ``tree``; apply ``patches``."""
     _, installed = _installed_state_dict()
-    (tree / TARGET).parent.mkdir(parents=True)
-    (tree / TARGET).write_bytes(installed.read_bytes())
-    (tree / UPSTREAM_TEST).parent.mkdir(parents=True)
-    (tree / UPSTREAM_TEST).write_bytes(UPSTREAM_TEST_BASE.read_bytes())
+    files = {TARGET: installed, **UPSTREAM_TESTS}
+    for path, source in files.items():
+        (tree / path).parent.mkdir(parents=True, exist_ok=True)
+        (tree / path).write_bytes(source.read_bytes())
     return {patch.name: _apply(tree, patch) for patch in patches}
 
 
@@ -113,11 +133,13 @@ class TestRun(NamedTuple):
     tests: int | None  # unittest's "Ran N tests"; None if the run never got there
     summary: str  # unittest's last "OK ..." or "FAILED ..." line
     log: Path
+    seconds: float
 
     def describe(self) -> str:
         verdict = "passed" if self.returncode == 0 else "failed"
         tests = "?" if self.tests is None else self.tests
-        return f"{verdict} ({tests} tests, {self.summary or 'no unittest summary'})"
+        summary = self.summary or "no unittest summary"
+        return f"{verdict} ({tests} tests, {summary}) in {self.seconds:.0f} s"
 
     def tail(self, lines: int = 15) -> str:
         text = self.log.read_text().splitlines()
@@ -127,6 +149,7 @@ class TestRun(NamedTuple):
 
 
 def _run_test(test_file: Path, env: dict[str, str], log: Path, test_args) -> TestRun:
+    start = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.run(
             [sys.executable, str(test_file), *test_args],
@@ -136,7 +159,11 @@ def _run_test(test_file: Path, env: dict[str, str], log: Path, test_args) -> Tes
     ran = re.findall(r"^Ran (\d+) tests?", text, re.MULTILINE)
     summary = re.findall(r"^((?:OK|FAILED)\b.*)$", text, re.MULTILINE)
     return TestRun(
-        proc.returncode, int(ran[-1]) if ran else None, summary[-1] if summary else "", log
+        proc.returncode,
+        int(ran[-1]) if ran else None,
+        summary[-1] if summary else "",
+        log,
+        time.monotonic() - start,
     )
 
 
@@ -146,7 +173,6 @@ def _prove(patches: list[Path], test_args: list[str], keep: bool) -> bool:
     scratch = Path(tempfile.mkdtemp(prefix="torch_patch."))
     tree = scratch / "tree"
     applied = _apply_to_copy(tree, patches)
-    test_file = tree / UPSTREAM_TEST
     site = scratch / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -179,25 +205,31 @@ def _prove(patches: list[Path], test_args: list[str], keep: bool) -> bool:
     if Path(probe[0]) != tree / TARGET:
         raise SystemExit(f"patched module did not load: {probe[0]}")
 
-    unpatched = _run_test(test_file, base_env, scratch / "unpatched.log", test_args)
-    patched = _run_test(test_file, patched_env, scratch / "patched.log", test_args)
-    # Both runs must reach unittest's summary over the same tests, so that an
-    # import error or a crash before the first test never counts as the bug.
-    proven = (
-        bool(unpatched.tests)
-        and unpatched.tests == patched.tests
-        and unpatched.summary.startswith("FAILED")
-        and patched.returncode == 0
-        and patched.summary.startswith("OK")
-    )
+    runs = {
+        test: tuple(
+            _run_test(tree / test, env, scratch / f"{Path(test).stem}.{name}.log", test_args)
+            for name, env in (("unpatched", base_env), ("patched", patched_env))
+        )
+        for test in _upstream_tests(patches)
+    }
+    # Each run must reach unittest's summary, over the same tests both ways, so
+    # that an import error or a crash before the first test never counts as
+    # the bug; the stage's tests fail on stock and all pass patched.
+    proven = all(
+        unpatched.tests and unpatched.tests == patched.tests
+        and patched.returncode == 0 and patched.summary.startswith("OK")
+        for unpatched, patched in runs.values()
+    ) and any(unpatched.summary.startswith("FAILED") for unpatched, _ in runs.values())
     _print_applied(version, patches, applied)
-    print(f"  upstream test {test_file.relative_to(tree)}:")
-    print(f"    torch as installed: {unpatched.describe()}")
-    print(f"    patched state_dict.py: {patched.describe()}")
+    for test, (unpatched, patched) in runs.items():
+        print(f"  upstream test {test}:")
+        print(f"    torch as installed: {unpatched.describe()}")
+        print(f"    patched state_dict.py: {patched.describe()}")
     print(f"  backport.status() on the patched torch: {probe[1]}")
     if not proven:
-        for name, run in (("torch as installed", unpatched), ("patched", patched)):
-            print(f"--- last lines of the {name} run ({run.log.name}):\n{run.tail()}")
+        for unpatched, patched in runs.values():
+            for name, run in (("torch as installed", unpatched), ("patched", patched)):
+                print(f"--- last lines of the {name} run ({run.log.name}):\n{run.tail()}")
     if not proven or keep:
         print(f"  logs and scratch tree: {scratch}")
     return proven
@@ -215,14 +247,12 @@ def main(argv: list[str] | None = None) -> int:
 
     version, _ = _installed_state_dict()
     if args.apply_only:
-        for stage in range(1, len(PATCHES) + 1):
+        for patches in _stages():
             with tempfile.TemporaryDirectory(prefix="torch_patch.") as scratch:
-                applied = _apply_to_copy(Path(scratch), PATCHES[:stage])
-            _print_applied(version, PATCHES[:stage], applied)
+                applied = _apply_to_copy(Path(scratch), patches)
+            _print_applied(version, patches, applied)
         return 0
-    proven = all(
-        [_prove(PATCHES[:stage], args.test_args, args.keep) for stage in range(1, len(PATCHES) + 1)]
-    )
+    proven = all([_prove(patches, args.test_args, args.keep) for patches in _stages()])
     print(f"result: {'the series fixes' if proven else 'NOT PROVEN on'} torch {version}")
     return 0 if proven else 1
 
