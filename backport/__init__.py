@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: BSD-3-Clause
+# From fsdp2-dcp-eval-backport: a vendored copy of its backport/__init__.py.
 """Make DCP optimizer state dicts work after an FSDP2 evaluation forward.
 
 An FSDP2 group with ``reshard_after_forward=False`` (the root's default) or an
@@ -21,7 +23,14 @@ never-stepped optimizer holding a parameter whose storage FSDP2 has freed gets
 a ``ValueError``, not a crash; ``_get_optim_state_dict`` and
 ``_load_optim_state_dict`` so that where torch raises a bare ``KeyError`` for an
 optimizer parameter the model does not own, ``OptimizerParamNotInModelError``
-(a ``ValueError`` and a ``KeyError``) names it instead.
+(a ``ValueError`` and a ``KeyError``) names it and, from its type, the FSDP2
+state the optimizer missed.
+
+The reshard is rank-local: the next forward all-gathers a resharded group, so
+with the backport applied call the state-dict functions on every rank of each
+FSDP mesh, or on none. A forward or backward that raised leaves its groups
+marked as running, and ``reshard()`` skips them: call
+``FSDPModule.reset_iter_state()`` on the root module first.
 
 Targets torch 2.7 to 2.15 (``_SUPPORTED``). The same change is proposed
 upstream (``torch_patch/`` in this project). Vendor as-is: this file needs only
@@ -39,6 +48,7 @@ import functools
 import re
 import threading
 import warnings
+from itertools import chain
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -113,7 +123,9 @@ def _reshard_fsdp2_modules(model: nn.Module) -> None:
     ``reshard_after_forward=False`` or an ``int`` unsharded: the model then
     holds the unsharded parameters while optimizers hold the sharded DTensors.
     ``reshard()`` issues no collective; it registers the sharded parameters
-    and frees the unsharded ones.
+    and, by default, frees the unsharded ones. It acts on this rank only: the
+    next forward all-gathers a resharded group, so every rank of the group's
+    mesh must reshard it, or none.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -127,10 +139,10 @@ def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
     Raise if ``optim`` holds a parameter whose storage has been freed.
 
     An optimizer built while FSDP2 modules were unsharded holds their unsharded
-    parameters, whose storage ``reshard()`` frees; ``step()`` on one writes to
-    freed memory. Best effort: layouts without storage (sparse, mkldnn) and
-    tensor subclasses (DTensor, whose storage is a placeholder) are skipped, so
-    freed inner storage of a subclass is not detected.
+    parameters, whose storage ``reshard()`` frees by default; ``step()`` on one
+    writes to freed memory. Best effort: tensors without storage (sparse,
+    mkldnn) and tensor subclasses (DTensor, whose storage is a placeholder) are
+    skipped, so freed inner storage of a subclass is not detected.
     """
     import torch
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -139,7 +151,7 @@ def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
         for param_idx, param in enumerate(param_group[_PARAMS]):
             if (
                 not param.requires_grad
-                or param.layout != torch.strided
+                or not torch._C._has_storage(param)
                 or is_traceable_wrapper_subclass(param)
                 or param.numel() == 0
             ):
@@ -156,11 +168,32 @@ def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
 
 
 def _unowned_optim_param_error(
-    model: nn.Module, optim: torch.optim.Optimizer, param: torch.Tensor
+    optim: torch.optim.Optimizer,
+    key: torch.Tensor | int | str,
+    info: _StateDictInfo,
 ) -> OptimizerParamNotInModelError:
-    """Return the error for an optimizer parameter that ``model`` does not own."""
-    from torch.distributed.fsdp import FSDPModule
+    """
+    Return the error for an optimizer parameter that the model does not own.
 
+    ``key`` is the parameter, or the key of ``optim.state_dict()`` that maps to
+    no parameter of the model.
+    """
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    params = list(chain.from_iterable(g[_PARAMS] for g in optim.param_groups))
+    if isinstance(key, torch.Tensor):
+        param = key
+    elif isinstance(key, int) and 0 <= key < len(params):
+        param = params[key]
+    else:
+        return OptimizerParamNotInModelError(
+            f"{type(optim).__name__}.state_dict() holds state under the key "
+            f"{key!r}, which is not the index of one of its parameters: these "
+            "functions map the integer keys that torch.optim.Optimizer.state_dict() "
+            "uses to FQNs."
+        )
     where = next(
         (
             f"param_groups[{group_idx}]['params'][{param_idx}]"
@@ -175,12 +208,37 @@ def _unowned_optim_param_error(
         f"{where} ({type(param).__name__} of shape {tuple(param.shape)}). Pass "
         "the model that owns every parameter of the optimizer."
     )
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
+    # FSDP2 registers the unsharded parameter (a plain tensor) or the sharded
+    # one (a DTensor of the same global shape): the one the model holds in
+    # place of ``param`` tells which state the optimizer missed.
+    is_dtensor = isinstance(param, DTensor)
+    counterparts = [
+        repr(fqn)
+        for fqn, model_param in info.fqn_param_mapping.items()
+        if isinstance(fqn, str)
+        and isinstance(model_param, nn.Parameter)
+        and isinstance(model_param, DTensor) != is_dtensor
+        and model_param.shape == param.shape
+    ]
+    names = ", ".join(counterparts[:3]) + (", ..." if len(counterparts) > 3 else "")
+    if counterparts and is_dtensor:
         msg += (
-            " An optimizer built while FSDP2 modules were unsharded (after a "
-            "forward without backward, or FSDPModule.unshard()) holds parameters "
-            "that FSDP2 has replaced since: build it from model.parameters() "
-            "right after fully_shard()."
+            f" The model holds a plain tensor of that shape instead ({names}), as "
+            "FSDP2 does while the group that owns the parameter is unsharded: "
+            "after a forward without backward, after an exception in forward or "
+            "backward (call FSDPModule.reset_iter_state() on the root module "
+            "first), or because the module passed in does not hold the FSDP "
+            "module that owns the group, e.g. the second owner of a tied weight. "
+            "Call reshard() on the model's FSDP modules on every rank, or pass "
+            "the root module."
+        )
+    elif counterparts:
+        msg += (
+            f" The model holds a DTensor of that shape instead ({names}): an "
+            "optimizer built while FSDP2 modules were unsharded (after a forward "
+            "without backward, or FSDPModule.unshard()) holds parameters that "
+            "FSDP2 has replaced since: build it from model.parameters() right "
+            "after fully_shard()."
         )
     return OptimizerParamNotInModelError(msg)
 
@@ -233,21 +291,63 @@ def _wrap_verify_options(verify_options: Callable) -> Callable:
     return _verify_options
 
 
+def _unowned_param_error_here(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    key: torch.Tensor | int | str,
+    info: _StateDictInfo,
+) -> OptimizerParamNotInModelError:
+    """0002's error, and the backport's own cause when it found nothing to reshard.
+
+    A DTensor the model does not show, with no FSDP module in the module passed
+    in, belongs to a group that an FSDP module outside it owns. The backport
+    reshards such a group through FSDP2's state-dict hook on the module holding
+    the parameter, and FSDP2 registers that hook on the first module holding a
+    shared parameter only: the secondary module of tied weights has none.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    error = _unowned_optim_param_error(optim, key, info)
+    params = [p for group in optim.param_groups for p in group[_PARAMS]]
+    param = params[key] if isinstance(key, int) and 0 <= key < len(params) else key
+    if not isinstance(param, DTensor) or any(
+        isinstance(module, FSDPModule) for module in model.modules()
+    ):
+        return error
+    return OptimizerParamNotInModelError(
+        f"{error} The module passed in ({type(model).__name__}) contains no FSDP "
+        "module: an FSDP module outside it owns the group, and FSDP2 registers "
+        "the state-dict hook that reshards a shared parameter only on the first "
+        "module holding it (e.g. the embedding, not an lm_head tied to it), so "
+        "it stays unsharded here."
+    )
+
+
 def _wrap_get_optim_state_dict(get_optim_state_dict: Callable) -> Callable:
-    # 0002 raises where this function's pid -> FQN lookups raise KeyError(pid).
+    # 0002 raises where this function's state-key -> FQN lookups raise
+    # KeyError(key): for a key that is not an index of the optimizer's
+    # parameters, or one whose parameter the model does not own.
     @functools.wraps(get_optim_state_dict)
     def _get_optim_state_dict(model, optimizers, info):
         try:
             return get_optim_state_dict(model, optimizers, info)
         except KeyError as err:
-            pid = err.args[0] if len(err.args) == 1 else None
-            if info.fsdp_modules or not isinstance(pid, int):
+            key = err.args[0] if len(err.args) == 1 else None
+            if info.fsdp_modules or not isinstance(key, (int, str)):
                 raise
             owned = {id(param) for _, param in model.named_parameters()}
             for optim in optimizers:
                 params = [p for group in optim.param_groups for p in group[_PARAMS]]
-                if 0 <= pid < len(params) and id(params[pid]) not in owned:
-                    raise _unowned_optim_param_error(model, optim, params[pid]) from err
+                if isinstance(key, int) and 0 <= key < len(params):
+                    unowned = id(params[key]) not in owned
+                else:
+                    osd = optim.state_dict()
+                    unowned = key in osd["state"] or any(
+                        key in group[_PARAMS] for group in osd["param_groups"]
+                    )
+                if unowned:
+                    raise _unowned_param_error_here(model, optim, key, info) from err
             raise
 
     return _get_optim_state_dict
@@ -266,7 +366,7 @@ def _wrap_load_optim_state_dict(load_optim_state_dict: Callable) -> Callable:
                 params = (p for group in optim.param_groups for p in group[_PARAMS])
                 unowned = next((p for p in params if p not in info.fqn_param_mapping), None)
                 if unowned is not None and missing is unowned:
-                    raise _unowned_optim_param_error(model, optim, unowned) from err
+                    raise _unowned_param_error_here(model, optim, unowned, info) from err
             raise
 
     return _load_optim_state_dict
@@ -367,7 +467,11 @@ def _target_module() -> tuple[ModuleType, ModuleType]:
 def apply() -> str:
     """Patch the installed torch so DCP state dicts work after an FSDP2 evaluation.
 
-    Idempotent and thread-safe. Returns the ``status()`` line.
+    Idempotent and thread-safe. Returns the ``status()`` line. Call it on every
+    rank: with it applied the state-dict functions may reshard FSDP2 modules
+    on the calling rank only, so call them on every rank of each FSDP mesh, or
+    on none. After an exception in forward or backward, call
+    ``FSDPModule.reset_iter_state()`` on the root module first.
 
     Raises:
         UnsupportedTorchError: torch is outside the supported range, or its
