@@ -6,6 +6,7 @@ import unittest
 import expecttest
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 import backport
 from _fsdp_cases import (
@@ -87,9 +88,9 @@ get_optimizer_state_dict: [KeyError] KeyError: 0
 set_optimizer_state_dict: [KeyError] KeyError: <DTensor>
 set_optimizer_state_dict, flattened: [KeyError] KeyError: <DTensor>""")
         self.assertExpectedInline("\n".join(result["patched"]), """\
-get_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer. An optimizer built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()) holds parameters that FSDP2 has replaced since: build it from model.parameters() right after fully_shard().
-set_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer. An optimizer built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()) holds parameters that FSDP2 has replaced since: build it from model.parameters() right after fully_shard().
-set_optimizer_state_dict, flattened: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer. An optimizer built while FSDP2 modules were unsharded (after a forward without backward, or FSDPModule.unshard()) holds parameters that FSDP2 has replaced since: build it from model.parameters() right after fully_shard().""")
+get_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
+set_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
+set_optimizer_state_dict, flattened: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.""")
         self.assertExpectedInline("\n".join(result["plain unpatched"]), """\
 get_optimizer_state_dict: [KeyError] KeyError: 2
 set_optimizer_state_dict: [KeyError] KeyError: <Parameter>
@@ -98,6 +99,82 @@ set_optimizer_state_dict, flattened: [KeyError] KeyError: <Parameter>""")
 get_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
 set_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
 set_optimizer_state_dict, flattened: [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.""")
+
+
+def _raise(*_) -> None:
+    raise RuntimeError("aborted")
+
+
+def aborted_forward_worker() -> dict[str, list[str]]:
+    def run(label: str) -> dict[str, list[str]]:
+        model, optims, _ = build(CASES["root_none"])
+        train_step(model, optims, 0)
+        # An exception between the root's pre- and post-forward leaves the
+        # root group unsharded and marked as in forward; reshard() skips it.
+        handle = model.norm.register_forward_pre_hook(_raise)
+        try:
+            evaluate(model)
+        except RuntimeError:
+            pass
+        handle.remove()
+        lines = []
+        for when in ("after the exception", "after reset_iter_state()"):
+            try:
+                get_optimizer_state_dict(model, optims)
+            except Exception as err:  # noqa: BLE001 - the message is what we pin
+                lines.append(f"{when}: [{_kinds(err)}] {describe_error(err)}")
+            else:
+                lines.append(f"{when}: ok")
+            model.reset_iter_state()
+        return {label: lines}
+
+    runs = unpatched_then_patched(run)
+    return {**runs["unpatched"], **runs["patched"]}
+
+
+@unittest.skipUnless(
+    hasattr(FSDPModule, "reset_iter_state"), "FSDPModule.reset_iter_state is new in 2.13"
+)
+class AbortedForwardTest(expecttest.TestCase):
+    """The message names the unsharded group, and the way out the docstrings give works."""
+
+    def test_aborted_forward(self) -> None:
+        results = run_ranks(2, aborted_forward_worker)
+        self.assertEqual(results[0], results[1])
+        self.assertExpectedInline("\n".join(results[0]["unpatched"]), """\
+after the exception: [KeyError] KeyError: 0
+after reset_iter_state(): ok""")
+        self.assertExpectedInline("\n".join(results[0]["patched"]), """\
+after the exception: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0] (DTensor of shape (16, 8)). Pass the model that owns every parameter of the optimizer. The model holds a plain tensor of that shape instead ('embed.weight', 'head.weight'), as FSDP2 does while the group that owns the parameter is unsharded: after a forward without backward, after an exception in forward or backward (call FSDPModule.reset_iter_state() on the root module first), or because the module passed in does not hold the FSDP module that owns the group, e.g. the second owner of a tied weight. Call reshard() on the model's FSDP modules on every rank, or pass the root module.
+after reset_iter_state(): ok""")
+
+
+class _NamedStateAdam(torch.optim.Adam):
+    """An optimizer whose state_dict() keys its state by name, not by index."""
+
+    def state_dict(self):
+        osd = super().state_dict()
+        osd["state"] = {f"param{key}": value for key, value in osd["state"].items()}
+        return osd
+
+
+def _state_keyed_by_name() -> str:
+    model = nn.Linear(2, 2)
+    optim = _NamedStateAdam(model.parameters(), lr=0.1)
+    model(torch.ones(2)).sum().backward()
+    optim.step()
+    try:
+        get_optimizer_state_dict(model, optim)
+    except Exception as err:  # noqa: BLE001 - the message is what we pin
+        return f"[{_kinds(err)}] {describe_error(err)}"
+    return "ok"
+
+
+class StateKeyNotAParamIndexTest(expecttest.TestCase):
+    def test_state_keyed_by_name(self) -> None:
+        results = unpatched_then_patched(lambda label: _state_keyed_by_name())
+        self.assertExpectedInline(results["unpatched"], """[KeyError] KeyError: 'param0'""")
+        self.assertExpectedInline(results["patched"], """[KeyError/ValueError] OptimizerParamNotInModelError: _NamedStateAdam.state_dict() holds state under the key 'param0', which is not the index of one of its parameters: these functions map the integer keys that torch.optim.Optimizer.state_dict() uses to FQNs.""")
 
 
 def _render_choice(error_type: type) -> str:

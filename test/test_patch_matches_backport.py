@@ -2,13 +2,15 @@
 
 - 0001 (PR A) adds ``_reshard_fsdp2_modules`` and ``_verify_optim_params_allocated``
   and calls them from ``_verify_options`` and ``_init_optim_state``; 0002 (PR B)
-  adds ``_unowned_optim_param_error`` and raises it at three lookups. Each
-  definition is the backport's, line for line (the backport imports torch
-  inside each function, and raises its own error class, a ValueError and a
-  KeyError, where PR B raises a plain ValueError).
+  adds ``_unowned_optim_param_error`` and raises it at four lookups in three
+  functions. Each definition is the backport's, line for line (the backport
+  imports torch inside each function, and raises its own error class, a
+  ValueError and a KeyError, where PR B raises a plain ValueError).
+- PR B stands alone: it uses no name that PR A adds.
 - Each call or raise site sits in a function the backport wraps, or in one that
   the wrapped function calls on the installed torch.
-- The backport-only extension (FSDP2's hook, found by name) is in no patch.
+- The backport-only extensions (FSDP2's hook, found by name, and the cause it
+  adds when the module passed in holds no FSDP module) are in no patch.
 """
 
 import inspect
@@ -131,6 +133,17 @@ class PatchMatchesBackportTest(unittest.TestCase):
                 source = inspect.getsource(getattr(state_dict_module, wrapped))
                 self.assertIn(f"{site}(", source)
 
+    def test_pr_b_uses_no_name_pr_a_adds(self) -> None:
+        def code(patch: Path) -> str:
+            """The lines ``patch`` adds anywhere, without their string literals."""
+            added = [line[1:] for line in patch.read_text().splitlines() if line.startswith("+")]
+            return re.sub(r'[rf]*"[^"\n]*"', '""', "\n".join(added))
+
+        for name in ("FSDPModule", "_reshard_fsdp2_modules", "is_traceable_wrapper_subclass"):
+            with self.subTest(name=name):
+                self.assertIn(name, code(PATCHES[0]))
+                self.assertNotIn(name, code(PATCHES[1]))
+
     def test_patch_marks_the_fix_the_backport_detects(self) -> None:
         self.assertIn(f"{backport._FIX_ARTIFACT}(model)", _calls_in(PATCHES[0])["_verify_options"])
 
@@ -139,6 +152,10 @@ class PatchMatchesBackportTest(unittest.TestCase):
             with self.subTest(patch=patch.name):
                 self.assertNotIn("__qualname__", patch.read_text())
                 self.assertNotIn("to_sharded_hook", patch.read_text())
+                self.assertNotIn("an FSDP module outside it owns the group", patch.read_text())
+        self.assertIn("an FSDP module outside it owns the group", inspect.getsource(
+            backport._unowned_param_error_here
+        ))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,20 @@ class VendoringTest(unittest.TestCase):
         }
         self.assertEqual(roots - set(sys.stdlib_module_names), {"torch"})
 
+    def test_header_names_license_and_origin(self) -> None:
+        # A vendored copy keeps both lines: the license and where it comes from.
+        self.assertEqual(SOURCE.read_text().splitlines()[:2], [
+            "# SPDX-License-Identifier: BSD-3-Clause",
+            "# From fsdp2-dcp-eval-backport: a vendored copy of its backport/__init__.py.",
+        ])
+
+    def test_docstrings_state_the_rank_local_rule(self) -> None:
+        for doc in (backport.__doc__, backport.apply.__doc__):
+            text = " ".join(doc.split())
+            with self.subTest(doc=doc.splitlines()[0]):
+                self.assertIn("on every rank of each FSDP mesh, or on none", text)
+                self.assertIn("reset_iter_state()", text)
+
     def test_copies_share_one_patch(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             vendored = _load_copy(tmp, "yourpkg_dcp_eval_backport")
