@@ -41,12 +41,12 @@ def _parallelize(model, device_mesh):
     return model
 
 
-def _setup(save_distributed_checkpoint: bool):
+def _setup(save_distributed_checkpoint: bool, parallelize_fn=_parallelize):
     from lightning_fabric import Fabric
     from lightning_fabric.strategies import ModelParallelStrategy
 
     strategy = ModelParallelStrategy(
-        parallelize_fn=_parallelize,
+        parallelize_fn=parallelize_fn,
         data_parallel_size=2,
         tensor_parallel_size=1,
         save_distributed_checkpoint=save_distributed_checkpoint,

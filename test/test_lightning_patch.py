@@ -1,11 +1,21 @@
 """lightning_patch/ applied to the installed Lightning 2.6.6, on torch as installed (no backport).
 
-Fabric's load of a full checkpoint (``save_distributed_checkpoint=False``) after an
-evaluation fails in ``_load_raw_module_state`` on stock Lightning and restores
-exactly with the patch; without an evaluation both restore exactly. The patched
-``lightning_fabric/strategies/model_parallel.py`` is a copy of the installed one
-with the patch applied by ``git apply``, served under its real module name in the
-ranks; the installed package is never modified.
+An evaluation (a forward under ``no_grad``) leaves FSDP2 groups with
+``reshard_after_forward=False``, the root default, unsharded. Fabric then fails on
+stock Lightning in four ways, each restored exactly with the patch:
+
+- blocks sharded, embedding and head in the root's group ("mixed"): the full
+  load mixes Tensors and DTensors in one module;
+- every module with parameters its own FSDP2 root ("rootless", the layout of
+  Lightning's own ``_parallelize_feed_forward_fsdp2``), or ``fully_shard`` on the
+  root only: no DTensor parameter is left, so Fabric finds no distributed model,
+  on save and on load, for both checkpoint kinds;
+- ``fabric.save`` with the optimizer listed before the model: DSD's KeyError.
+
+The last scenario works on stock Lightning and must work the same when patched.
+The patched ``lightning_fabric/strategies/model_parallel.py`` is a copy of the
+installed one with the patch applied by ``git apply``, served under its real
+module name in the ranks; the installed package is never modified.
 """
 
 from __future__ import annotations
@@ -20,11 +30,16 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import expecttest
+from _fsdp_cases import evaluate, outcome_of
+from test_lightning_fabric import _parallelize as _parallelize_mixed
+from test_lightning_fabric import _setup, _states, perturb_then_load
+from torch.distributed.fsdp import fully_shard
 
+import backport
 from backport._launch import run_ranks
 
 
-PATCHES = sorted((Path(__file__).parent.parent / "lightning_patch").glob("0*.patch"))
+PATCH = Path(__file__).parent.parent / "lightning_patch/modelparallel-reshard-fsdp2.patch"
 MODULE = "lightning_fabric.strategies.model_parallel"
 
 
@@ -39,57 +54,169 @@ class _PatchedModuleFinder(importlib.abc.MetaPathFinder):
 
 
 def _patched_copy(scratch: Path) -> Path:
-    """The installed module with the patches applied, in ``scratch``."""
+    """The installed module with the patch applied, in ``scratch``."""
     installed = Path(find_spec(MODULE).origin)
     target = scratch / "lightning_fabric" / "strategies" / "model_parallel.py"
     target.parent.mkdir(parents=True)
     target.write_bytes(installed.read_bytes())
-    for patch in PATCHES:
-        # Upstream's src/lightning/fabric/ is the lightning_fabric package.
-        subprocess.run(
-            ["git", "apply", "-p4", "--directory=lightning_fabric", str(patch)],
-            cwd=scratch, check=True, capture_output=True, text=True,
-        )
+    # Upstream's src/lightning/fabric/ is the lightning_fabric package; the
+    # CHANGELOG and test hunks are for Lightning's tree and are left out. The
+    # patch is made against Lightning's master, whose path handling differs
+    # three lines above the first change: two lines of context must match.
+    subprocess.run(
+        [
+            "git", "apply", "-C2", "-p4", "--directory=lightning_fabric",
+            "--include=lightning_fabric/strategies/model_parallel.py", str(PATCH),
+        ],
+        cwd=scratch, check=True, capture_output=True, text=True,
+    )
     return target
 
 
-def full_load_worker(patched_module: str | None, checkpoint_dir: str) -> str:
+def _parallelize_rootless(model, device_mesh):
+    # Each becomes its own FSDP2 root and keeps the root default: unsharded after a forward.
+    mesh = device_mesh["data_parallel"]
+    for module in (model.embed, *model.blocks, model.norm, model.head):
+        fully_shard(module, mesh=mesh)
+    return model
+
+
+def _parallelize_root_only(model, device_mesh):
+    fully_shard(model, mesh=device_mesh["data_parallel"])
+    return model
+
+
+def _save_and_load_after_evaluation(
+    directory: Path, parallelize_fn, sharded: bool, optimizer_first: bool
+) -> str:
+    """Train a step and save; evaluate, save again; perturb, evaluate, load each save."""
+    fabric, model, optimizer = _setup(sharded, parallelize_fn)
+    saved = _states(model, optimizer)
+    state = {"optimizer": optimizer, "model": model} if optimizer_first else {
+        "model": model, "optimizer": optimizer
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    # Right after a backward every group is sharded: stock Lightning saves this.
+    fabric.save(directory / "before-eval", state)
+    evaluate(model)
+    saved_after_eval = outcome_of(lambda: fabric.save(directory / "after-eval", state))
+
+    def load(name: str) -> str:
+        return perturb_then_load(fabric, directory / name, model, optimizer, saved, True)
+
+    outcomes = [
+        f"save after eval -> {saved_after_eval}",
+        f"load after eval -> {load('before-eval')}",
+    ]
+    # The outcome, shared by every rank, decides; files a failed save left do not.
+    if saved_after_eval == "ok":
+        outcomes.append(f"load of the save after eval -> {load('after-eval')}")
+    # Lightning's "Could not find a distributed model ..." goes on for three sentences.
+    return "\n    ".join(outcome.split(". ")[0] for outcome in outcomes)
+
+
+def scenarios_worker(patched_module: str | None, checkpoint_dir: str) -> dict[str, str]:
+    """Every scenario on Lightning as installed, or on the patched copy."""
     if patched_module is not None:
         sys.meta_path.insert(0, _PatchedModuleFinder(patched_module))
-    from test_lightning_fabric import _setup, _states, perturb_then_load
-    import lightning_fabric.strategies.model_parallel as model_parallel
+    from lightning_fabric.strategies import model_parallel
 
     assert (model_parallel.__file__ == patched_module) == (patched_module is not None)
-    lines = []
-    for evaluated in (False, True):
-        fabric, model, optimizer = _setup(save_distributed_checkpoint=False)
-        saved = _states(model, optimizer)
-        path = Path(checkpoint_dir) / f"{patched_module is not None}-{evaluated}.ckpt"
-        fabric.save(path, {"model": model, "optimizer": optimizer})
-        outcome = perturb_then_load(fabric, path, model, optimizer, saved, evaluated)
-        lines.append(f"{'after an evaluation' if evaluated else 'no evaluation'}: {outcome}")
-    return "\n".join(lines)
+    assert backport.status().startswith("not applied"), backport.status()
+    scenarios = {
+        "mixed, full": (_parallelize_mixed, False, False),
+        "rootless, full": (_parallelize_rootless, False, False),
+        "rootless, distributed": (_parallelize_rootless, True, False),
+        "root only, full": (_parallelize_root_only, False, False),
+        "root only, distributed": (_parallelize_root_only, True, False),
+        "mixed, full, optimizer first": (_parallelize_mixed, False, True),
+        "mixed, distributed, optimizer first": (_parallelize_mixed, True, True),
+        "mixed, distributed": (_parallelize_mixed, True, False),
+    }
+    directory = Path(checkpoint_dir) / ("patched" if patched_module is not None else "stock")
+    return {
+        label: _save_and_load_after_evaluation(directory / str(index), *scenario)
+        for index, (label, scenario) in enumerate(scenarios.items())
+    }
+
+
+def _render(outcomes: dict[str, str]) -> str:
+    return "\n".join(f"{label}:\n    {text}" for label, text in outcomes.items())
 
 
 @unittest.skipUnless(
     find_spec("lightning_fabric"), "needs the frameworks extra (nox: torch 2.13.0)"
 )
 class LightningPatchTest(expecttest.TestCase):
-    def test_full_checkpoint_load_after_evaluation(self) -> None:
+    def test_save_and_load_after_evaluation(self) -> None:
         with tempfile.TemporaryDirectory() as scratch:
             patched = str(_patched_copy(Path(scratch) / "tree"))
             results = {
-                label: run_ranks(2, full_load_worker, module, scratch)
-                for label, module in (("stock", None), ("patched", patched))
+                world: run_ranks(2, scenarios_worker, module, scratch)
+                for world, module in (("stock", None), ("patched", patched))
             }
-        for label, by_rank in results.items():
-            self.assertEqual(by_rank[0], by_rank[1], label)
-        self.assertExpectedInline(results["stock"][0], """\
-no evaluation: restored exactly
-after an evaluation: RuntimeError: Error(s) in loading state_dict for Embedding:""")
-        self.assertExpectedInline(results["patched"][0], """\
-no evaluation: restored exactly
-after an evaluation: restored exactly""")
+        for world, by_rank in results.items():
+            self.assertEqual(by_rank[0], by_rank[1], world)
+        self.assertExpectedInline(_render(results["stock"][0]), """\
+mixed, full:
+    save after eval -> ok
+    load after eval -> RuntimeError: Error(s) in loading state_dict for Embedding:
+    load of the save after eval -> RuntimeError: Error(s) in loading state_dict for Embedding:
+rootless, full:
+    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+rootless, distributed:
+    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+root only, full:
+    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+root only, distributed:
+    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+mixed, full, optimizer first:
+    save after eval -> KeyError: 0
+    load after eval -> RuntimeError: Error(s) in loading state_dict for Embedding:
+mixed, distributed, optimizer first:
+    save after eval -> KeyError: 0
+    load after eval -> restored exactly
+mixed, distributed:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly""")
+        self.assertExpectedInline(_render(results["patched"][0]), """\
+mixed, full:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly
+rootless, full:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly
+rootless, distributed:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly
+root only, full:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly
+root only, distributed:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly
+mixed, full, optimizer first:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly
+mixed, distributed, optimizer first:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly
+mixed, distributed:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly""")
 
 
 if __name__ == "__main__":
