@@ -239,6 +239,16 @@ def events(
             "optims": optim_ids,
             "options": _options(rng, call),
         }
+        options = event["options"]
+        if (
+            call == "get_optim"
+            and not options.get("full_state_dict")
+            and not options.get("cpu_offload")
+            and rng.random() < 0.1
+        ):
+            # On rank 0 alone, as a rank-0-only checkpoint hook might: no
+            # collective on stock torch, but the fix's reshard is rank-local.
+            event["ranks"] = "first"
         if call not in SET_CALLS:
             return [event]
         snapshot = dict(event, call=SNAPSHOT_OF[call], snapshot=True)

@@ -470,6 +470,35 @@ def _call(model, optims, event: dict[str, Any], snapshots: dict[str, Any]):
     return [("returned", repr(result))]
 
 
+def _call_on_ranks(model, optims, event, snapshots, reshard_first: bool):
+    """The call on every rank, or on rank 0 alone; the reference reshards first."""
+    import torch.distributed as dist
+
+    if event.get("ranks") != "first":
+        if reshard_first:
+            _reshard_all(model)
+        return _call(model, optims, event, snapshots)
+    result: Any = [("skipped", "called on rank 0 only")]
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        if reshard_first:
+            _reshard_all(model)
+        try:
+            result = _call(model, optims, event, snapshots)
+        except Exception as err:  # every rank learns of it below
+            if _collective_failure(err):
+                raise
+            error = err
+    # Every rank raises where rank 0 raised, so none runs ahead into a collective.
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else _describe_error(error))
+    if error is not None:
+        raise error
+    if errors[0] is not None:
+        raise RuntimeError(f"rank 0 raised {errors[0]}")
+    return result
+
+
 def _final_state(model, optims) -> list[tuple[str, str]]:
     """Every parameter's local shard and every optimizer state, sharded first."""
     import torch
@@ -490,7 +519,9 @@ def _final_state(model, optims) -> list[tuple[str, str]]:
     return out
 
 
-def run_mode(config: Config, mode: str, broken: str | None = None) -> dict[str, Any]:
+def run_mode(
+    config: Config, mode: str, broken: str | None = None, progress=lambda idx: None
+) -> dict[str, Any]:
     """Build the configuration's model and run its events under ``mode``.
 
     Returns {"status": "ok" | "raised", "records": [[event, what, detail], ...]}.
@@ -511,6 +542,7 @@ def run_mode(config: Config, mode: str, broken: str | None = None) -> dict[str, 
         try:
             group_modules = _wrap(model, config["wrapping"])
             for idx, event in enumerate(config["events"]):
+                progress(idx)
                 kind = event["do"]
                 if kind == "build_optims":
                     optims = _build_optims(model, config["optimizers"])
@@ -542,9 +574,9 @@ def run_mode(config: Config, mode: str, broken: str | None = None) -> dict[str, 
                 elif kind == "abort":
                     records.append([idx, kind, _abort(model, event, abort_type)])
                 elif kind == "call":
-                    if mode == "reference":
-                        _reshard_all(model)
-                    records.append([idx, event["call"], _call(model, optims, event, snapshots)])
+                    records.append([idx, event["call"], _call_on_ranks(
+                        model, optims, event, snapshots, reshard_first=mode == "reference"
+                    )])
                 else:
                     raise AssertionError(f"Expected an event kind, got {kind!r}")
             idx = len(config["events"])
@@ -610,16 +642,21 @@ def rank_worker(items: list[list[Any]], log_dir: str, broken: str | None) -> int
             seed, index = config["seed"], config["index"]
             log.write(json.dumps({"start": [seed, index, mode]}) + "\n")
             log.flush()
-            outcome = run_mode(config, mode, broken)
+            def progress(idx: int) -> None:
+                log.write(json.dumps({"event": idx}) + "\n")
+                log.flush()
+
+            outcome = run_mode(config, mode, broken, progress)
             log.write(json.dumps({"done": [seed, index, mode], "outcome": outcome}) + "\n")
             log.flush()
     return len(items)
 
 
 def _read_logs(log_dir: str, world_size: int) -> tuple[dict, dict]:
-    """Finished outcomes by (seed, index, mode, rank), and each rank's unfinished run."""
+    """Finished outcomes by (seed, index, mode, rank), and the event each rank's
+    unfinished run had started (-1: before the first)."""
     done: dict[tuple, dict] = {}
-    started: dict[int, tuple] = {}
+    started: dict[int, int] = {}
     for rank in range(world_size):
         path = os.path.join(log_dir, _LOG_NAME.format(rank=rank))
         if not os.path.exists(path):
@@ -631,7 +668,9 @@ def _read_logs(log_dir: str, world_size: int) -> tuple[dict, dict]:
                 except json.JSONDecodeError:  # a line cut by the death
                     continue
                 if "start" in entry:
-                    started[rank] = tuple(entry["start"])
+                    started[rank] = -1
+                elif "event" in entry:
+                    started[rank] = entry["event"]
                 else:
                     seed, index, mode = entry["done"]
                     done[(seed, index, mode, rank)] = entry["outcome"]
@@ -666,7 +705,7 @@ def run_configs(
                       timeout=30 + per_run_timeout * len(todo))
         except RankError as err:
             failure = str(err)
-        done, _ = _read_logs(log_dir, world_size)
+        done, started = _read_logs(log_dir, world_size)
         finished = 0
         for config, mode in todo:
             seed, index = config["seed"], config["index"]
@@ -689,8 +728,9 @@ def run_configs(
         status = "died" if died else "hang"
         detail = failure.splitlines()[1][:200] if "\n" in failure else failure[:200]
         results[(seed, index)][mode] = [
-            {"status": status, "records": [], "detail": detail}
-        ] * world_size
+            {"status": status, "records": [], "detail": detail, "at_event": started.get(rank)}
+            for rank in range(world_size)
+        ]
         position += 1
     return results
 
@@ -806,11 +846,29 @@ def _rule_aborted_forward_without_reset(config, baseline, fix, idx) -> bool:
     )
 
 
+def _rule_rank_local_reshard(config, baseline, fix, idx) -> bool:
+    """README "What it changes": the reshard is rank-local; a call on a subset of
+    ranks after a forward without backward fails at the next forward (gloo aborts
+    with "collective mismatch"), where stock torch did not."""
+    rank_local = [
+        at for at, event in enumerate(config["events"]) if event.get("ranks") == "first"
+    ]
+    if not rank_local:
+        return False
+    if fix["status"] in ("died", "hang"):
+        at_event = fix.get("at_event")
+        return at_event is not None and at_event > rank_local[0]
+    error = _raised(fix, idx)
+    at = fix["records"][idx][0] if idx < len(fix["records"]) else -1
+    return error is not None and at > rank_local[0] and "mismatch" in error.lower()
+
+
 RULES = {
     "optimizer built after an evaluation": _rule_optimizer_built_after_eval,
     "OptimizerParamNotInModelError for a bare KeyError": _rule_unowned_param_error_type,
     "tied secondary module (Limits)": _rule_tied_secondary,
     "forward aborted without reset_iter_state()": _rule_aborted_forward_without_reset,
+    "rank-local reshard (a call on rank 0 alone)": _rule_rank_local_reshard,
 }
 
 
@@ -837,21 +895,20 @@ def classify(config: Config, outcomes: dict[str, list[dict]]) -> dict[str, Any]:
             if idx is None:
                 best = ("same", name, None, "")
                 break
-            if fix[rank]["status"] in ("died", "hang"):
+            rule = next(
+                (label for label, fn in RULES.items() if fn(config, baseline, fix[rank], idx)),
+                None,
+            )
+            if rule is not None:
+                candidate = (f"documented: {rule}", name, idx, "")
+            elif fix[rank]["status"] in ("died", "hang"):
                 died = f"fix {fix[rank]['status']}: {fix[rank].get('detail', '')}"
                 candidate = ("divergence", name, idx, died)
             else:
-                rule = next(
-                    (label for label, fn in RULES.items() if fn(config, baseline, fix[rank], idx)),
-                    None,
-                )
-                if rule is not None:
-                    candidate = (f"documented: {rule}", name, idx, "")
-                else:
-                    got = fix[rank]["records"][idx] if idx < len(fix[rank]["records"]) else None
-                    want = baseline["records"][idx] if idx < len(baseline["records"]) else None
-                    candidate = ("divergence", name, idx,
-                                 f"fix {_short(got)} != {name} {_short(want)}")
+                got = fix[rank]["records"][idx] if idx < len(fix[rank]["records"]) else None
+                want = baseline["records"][idx] if idx < len(baseline["records"]) else None
+                candidate = ("divergence", name, idx,
+                             f"fix {_short(got)} != {name} {_short(want)}")
             if best is None or (best[0] == "divergence" and candidate[0] != "divergence"):
                 best = candidate
         verdicts.append((rank, *best))
