@@ -13,6 +13,9 @@ stock Lightning in four ways, each restored exactly with the patch:
 - ``fabric.save`` with the optimizer listed before the model: DSD's KeyError.
 
 The last scenario works on stock Lightning and must work the same when patched.
+This project's backport (the DSD fix) run on stock Lightning fixes the mixed
+model's failures but not the rootless and root-only ones, which Lightning rejects
+before it calls DSD.
 The patched ``lightning_fabric/strategies/model_parallel.py`` is a copy of the
 installed one with the patch applied by ``git apply``, served under its real
 module name in the ranks; the installed package is never modified.
@@ -115,14 +118,19 @@ def _save_and_load_after_evaluation(
     return "\n    ".join(outcome.split(". ")[0] for outcome in outcomes)
 
 
-def scenarios_worker(patched_module: str | None, checkpoint_dir: str) -> dict[str, str]:
-    """Every scenario on Lightning as installed, or on the patched copy."""
+def scenarios_worker(
+    patched_module: str | None, with_backport: bool, checkpoint_dir: str
+) -> dict[str, str]:
+    """Every scenario on Lightning as installed or patched, with or without the backport."""
     if patched_module is not None:
         sys.meta_path.insert(0, _PatchedModuleFinder(patched_module))
     from lightning_fabric.strategies import model_parallel
 
     assert (model_parallel.__file__ == patched_module) == (patched_module is not None)
-    assert backport.status().startswith("not applied"), backport.status()
+    if with_backport:
+        backport.apply()
+    expected_status = "applied" if with_backport else "not applied"
+    assert backport.status().startswith(expected_status), backport.status()
     scenarios = {
         "mixed, full": (_parallelize_mixed, False, False),
         "rootless, full": (_parallelize_rootless, False, False),
@@ -133,7 +141,7 @@ def scenarios_worker(patched_module: str | None, checkpoint_dir: str) -> dict[st
         "mixed, distributed, optimizer first": (_parallelize_mixed, True, True),
         "mixed, distributed": (_parallelize_mixed, True, False),
     }
-    directory = Path(checkpoint_dir) / ("patched" if patched_module is not None else "stock")
+    directory = Path(checkpoint_dir) / f"{patched_module is not None}-{with_backport}"
     return {
         label: _save_and_load_after_evaluation(directory / str(index), *scenario)
         for index, (label, scenario) in enumerate(scenarios.items())
@@ -152,8 +160,13 @@ class LightningPatchTest(expecttest.TestCase):
         with tempfile.TemporaryDirectory() as scratch:
             patched = str(_patched_copy(Path(scratch) / "tree"))
             results = {
-                world: run_ranks(2, scenarios_worker, module, scratch)
-                for world, module in (("stock", None), ("patched", patched))
+                world: run_ranks(2, scenarios_worker, module, with_backport, scratch)
+                for world, module, with_backport in (
+                    ("stock", None, False),
+                    ("patched", patched, False),
+                    # The DSD fix alone: Lightning rejects the models it never passes to DSD.
+                    ("stock, backport applied", None, True),
+                )
             }
         for world, by_rank in results.items():
             self.assertEqual(by_rank[0], by_rank[1], world)
@@ -205,6 +218,35 @@ root only, distributed:
     save after eval -> ok
     load after eval -> restored exactly
     load of the save after eval -> restored exactly
+mixed, full, optimizer first:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly
+mixed, distributed, optimizer first:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly
+mixed, distributed:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly""")
+        self.assertExpectedInline(_render(results["stock, backport applied"][0]), """\
+mixed, full:
+    save after eval -> ok
+    load after eval -> restored exactly
+    load of the save after eval -> restored exactly
+rootless, full:
+    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+rootless, distributed:
+    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+root only, full:
+    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+root only, distributed:
+    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
+    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
 mixed, full, optimizer first:
     save after eval -> ok
     load after eval -> restored exactly
