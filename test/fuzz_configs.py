@@ -214,12 +214,17 @@ def events(
     out.append({"do": "build_optims"})
     n_groups = len(wrap["groups"]) + (wrap["root"]["kind"] != "plain")
 
+    def unshard() -> dict[str, Any]:
+        # hold: keep the group's first parameter as the module exposes it now,
+        # as code that reads weights after unshard() does.
+        return {"do": "unshard", "group": rng.randrange(n_groups), "hold": rng.random() < 0.4}
+
     def filler() -> dict[str, Any]:
         kind = rng.choice(["train", "train", "eval", "unshard", "abort"])
         if kind == "eval":
             return {"do": "eval", "mode": rng.choice(["no_grad"] * 3 + ["inference_mode"])}
         if kind == "unshard" and n_groups:
-            return {"do": "unshard", "group": rng.randrange(n_groups)}
+            return unshard()
         if kind == "abort":
             return {
                 "do": "abort",
@@ -261,7 +266,7 @@ def events(
     if before < 0.7:
         out.append({"do": "eval", "mode": rng.choice(["no_grad"] * 3 + ["inference_mode"])})
     elif before < 0.8 and n_groups:
-        out.append({"do": "unshard", "group": rng.randrange(n_groups)})
+        out.append(unshard())
     else:
         before = 1.0
     first = call_event(optim_bias=True)
