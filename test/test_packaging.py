@@ -83,11 +83,14 @@ class PackagingTest(expecttest.TestCase):
         (Path(venv_site) / "_this_environment.pth").write_text(
             "\n".join(dict.fromkeys([paths["purelib"], paths["platlib"]])) + "\n"
         )
-        # --isolated: no pip configuration or find-links; --no-index: no index.
-        # The dependencies must be satisfied by what is installed.
+        # --no-index: no download. --no-deps: torch and numpy come from this
+        # environment, and a machine's constraints file may cap torch below the
+        # one installed. --force-reinstall: this environment may hold the
+        # package itself (nox installs it), which pip would take as installed.
+        # The requirements are pinned by test_wheel_contents_and_requirements.
         cls.install = _run(
             sys.executable, "-m", "pip", "--python", cls.python, "--isolated", "install",
-            "--no-index", str(cls.wheel), cwd=cls.tmp,
+            "--no-index", "--no-deps", "--force-reinstall", str(cls.wheel), cwd=cls.tmp,
         )
         cls.venv = venv
 
