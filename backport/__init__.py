@@ -48,9 +48,10 @@ import functools
 import re
 import threading
 import warnings
+from collections.abc import Callable
 from itertools import chain
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 
 if TYPE_CHECKING:

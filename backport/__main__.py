@@ -18,7 +18,7 @@ os.environ["PYTHONWARNINGS"] = ",".join(
     filter(None, [os.environ.get("PYTHONWARNINGS"), _IGNORE_NUMPY])
 )
 
-from backport._diagnose import main  # noqa: E402
+from backport._diagnose import main
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import backport  # noqa: E402
-from backport._launch import run_ranks  # noqa: E402
+import backport
+from backport._launch import run_ranks
 
 
 def _log(msg: str) -> None:
@@ -377,12 +377,16 @@ def _markdown(report: dict) -> str:
         f"command: `{report['command']}`",
         f"machine: {report['machine']}",
         "",
-        "What the series runs per call with nothing unsharded, µs per FSDP module "
-        "(best of 5), and the fix's ratio to the plain loop (median of interleaved "
-        "pairs, quartiles in brackets):",
+        (
+            "What the series runs per call with nothing unsharded, µs per FSDP module "
+            "(best of 5), and the fix's ratio to the plain loop (median of interleaved "
+            "pairs, quartiles in brackets):"
+        ),
         "",
-        "| ranks | model | FSDP modules | fix (0001 + extension) | plain loop | fix / plain loop "
-        "| 0002 check | series per call µs | model.state_dict() |",
+        (
+            "| ranks | model | FSDP modules | fix (0001 + extension) | plain loop | fix / plain loop "
+            "| 0002 check | series per call µs | model.state_dict() |"
+        ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for ranks, results in report["results"].items():
@@ -396,12 +400,16 @@ def _markdown(report: dict) -> str:
             )
     lines += [
         "",
-        "N sharded `Linear` layers plus the root (one nn.Module per FSDP module); whole "
-        "calls with / without `backport.apply()`, nothing unsharded:",
+        (
+            "N sharded `Linear` layers plus the root (one nn.Module per FSDP module); whole "
+            "calls with / without `backport.apply()`, nothing unsharded:"
+        ),
         "",
-        "| ranks | FSDP modules | series % of get_osd | get_osd × | set_osd × "
-        "| get_state_dict × | reshard after eval µs "
-        "| get_osd after eval / nothing unsharded | next forward µs (unsharded → resharded) |",
+        (
+            "| ranks | FSDP modules | series % of get_osd | get_osd × | set_osd × "
+            "| get_state_dict × | reshard after eval µs "
+            "| get_osd after eval / nothing unsharded | next forward µs (unsharded → resharded) |"
+        ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for ranks, results in report["results"].items():
@@ -422,11 +430,15 @@ def _markdown(report: dict) -> str:
     if lm_rows:
         lines += [
             "",
-            "Decoder LM, one FSDP module per block; checkpoint = `get_state_dict` + `dcp.save` "
-            "to local disk:",
+            (
+                "Decoder LM, one FSDP module per block; checkpoint = `get_state_dict` + `dcp.save` "
+                "to local disk:"
+            ),
             "",
-            "| ranks | params | FSDP modules | nn.Modules | series µs | checkpoint ms "
-            "| series % of checkpoint | checkpoint × | checkpoint after eval / nothing unsharded |",
+            (
+                "| ranks | params | FSDP modules | nn.Modules | series µs | checkpoint ms "
+                "| series % of checkpoint | checkpoint × | checkpoint after eval / nothing unsharded |"
+            ),
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for ranks, res in lm_rows:

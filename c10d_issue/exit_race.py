@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 held = dist.group.WORLD  # as FSDP2's mesh info holds its group

@@ -16,7 +16,7 @@ stay unsharded after the evaluation. At the end it resumes from the last
 checkpoint into a fresh model and checks that training continues identically.
 """
 
-import backport; backport.apply()  # noqa: E702, I001 - first, before anything checkpoints
+import backport; backport.apply()  # noqa: I001 - first, before anything checkpoints
 
 import argparse
 import gc

@@ -13,7 +13,7 @@ loads the first checkpoint into the same model and checks that training then
 continues exactly as it did after that checkpoint was taken.
 """
 
-import backport; backport.apply()  # noqa: E702, I001 - first, before anything checkpoints
+import backport; backport.apply()  # noqa: I001 - first, before anything checkpoints
 
 import argparse
 import gc

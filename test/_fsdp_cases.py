@@ -15,6 +15,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
 from torch.distributed.checkpoint.state_dict import (  # imported before apply() on purpose
     StateDictOptions,
     get_model_state_dict,
@@ -24,7 +27,6 @@ from torch.distributed.checkpoint.state_dict import (  # imported before apply()
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,

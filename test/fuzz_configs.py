@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+
 __all__ = ["Config", "make_config", "module_paths"]
 
 Config = dict[str, Any]

@@ -43,10 +43,12 @@ from collections import Counter
 from datetime import timedelta
 from typing import Any
 
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fuzz_configs import Config, make_config, module_paths
+
 
 MODES = ("stock", "reference", "fix")
 # Deliberately broken fixes, to show the check fails without the real one.

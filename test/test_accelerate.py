@@ -108,7 +108,7 @@ def _dsd_with_accelerate_options(variant: str) -> list[str]:
         set_optimizer_state_dict,
     )
 
-    accelerator, plugin, model, optim, ids = _prepare(variant)
+    _accelerator, plugin, model, optim, ids = _prepare(variant)
     options = _prepare_sd_options(plugin)
     ref = clone(get_optimizer_state_dict(model, optim, options=options))
     _evaluate(model, ids)
@@ -128,7 +128,7 @@ def _dsd_with_accelerate_options(variant: str) -> list[str]:
 def _accelerator_state(variant: str, tmp: str) -> list[str]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    accelerator, plugin, model, optim, ids = _prepare(variant)
+    accelerator, _plugin, model, optim, ids = _prepare(variant)
     ref = clone(get_optimizer_state_dict(model, optim))
     accelerator.save_state(f"{tmp}/state_before_eval")
     _evaluate(model, ids)

@@ -5,6 +5,7 @@ Each worker runs its setups on torch as installed and again after
 cases ("after eval") must fail on stock torch and pass with the fix.
 """
 
+import functools
 import unittest
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +25,8 @@ from _fsdp_cases import (
     clone,
     describe_error,
     differences,
-    flat,
     evaluate,
+    flat,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
@@ -82,9 +83,9 @@ def _patched_state_dict_outcomes(fsdp2: bool, after_eval: bool) -> str:
 
 def patched_state_dict_worker() -> dict[str, str]:
     setups = {
-        "plain model": dict(fsdp2=False, after_eval=False),
-        "plain root over FSDP2": dict(fsdp2=True, after_eval=False),
-        "plain root over FSDP2, after eval": dict(fsdp2=True, after_eval=True),
+        "plain model": {"fsdp2": False, "after_eval": False},
+        "plain root over FSDP2": {"fsdp2": True, "after_eval": False},
+        "plain root over FSDP2, after eval": {"fsdp2": True, "after_eval": True},
     }
     return unpatched_then_patched(
         lambda _label: "\n".join(
@@ -124,7 +125,7 @@ def _hook_counts(fsdp2: bool) -> str:
             "optim": clone(get_optimizer_state_dict(root, optims)),
         }
         counters = {"root": HookCounter(root), "head": HookCounter(root.model.head)}
-        outcome = outcome_of(lambda: call(root, optims, StateDictOptions(), ref))
+        outcome = outcome_of(functools.partial(call, root, optims, StateDictOptions(), ref))
         counts = ", ".join(f"{name} {counter.take()}" for name, counter in counters.items())
         lines.append(f"{call_name} {outcome}: {counts}")
     return "\n".join(lines)

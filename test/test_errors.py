@@ -190,7 +190,7 @@ def _render_choice(error_type: type) -> str:
             caught = "not caught"
         lines.append(f"except {caught_type.__name__}: {caught}")
     err = error_type(message)
-    lines.append(f"str(): {str(err)}")
+    lines.append(f"str(): {err!s}")
     lines.append(f"traceback: {traceback.format_exception_only(err)[-1].strip()}")
     return "\n".join(lines)
 

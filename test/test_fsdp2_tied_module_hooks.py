@@ -20,7 +20,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from backport import _FSDP2_TO_SHARDED_HOOK
 from _fsdp_cases import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,6 +27,7 @@ from _fsdp_cases import (
     set_model_state_dict,
     unpatched_then_patched,
 )
+from backport import _FSDP2_TO_SHARDED_HOOK
 
 
 def _tied_model() -> nn.Module:
@@ -93,8 +93,10 @@ def tied_module_worker() -> dict[str, str]:
             f"hooks on model[1] (head, shares the weight): {_hooks(model[1])}",
             f"full load into model[0] after a no_grad forward: {_load_into(0)}",
             f"full load into model[1] after a no_grad forward: {_load_into(1)}",
-            "the same, hooks registered on shared modules as proposed: "
-            f"{_load_into(1, proposed_fix=True)}",
+            (
+                "the same, hooks registered on shared modules as proposed: "
+                f"{_load_into(1, proposed_fix=True)}"
+            ),
         ])
 
     return unpatched_then_patched(run)

@@ -13,9 +13,11 @@ import os
 import re
 import unittest
 
-import fuzz_differential
 import torch
+
+import fuzz_differential
 from fuzz_configs import make_config
+
 
 # The primary target and the newest release; CI's time is spent on these two.
 FUZZ_RELEASES = ((2, 10), (2, 15))

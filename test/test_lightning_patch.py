@@ -33,13 +33,13 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import expecttest
-from _fsdp_cases import evaluate, outcome_of
-from test_lightning_fabric import _parallelize as _parallelize_mixed
-from test_lightning_fabric import _setup, _states, perturb_then_load
 from torch.distributed.fsdp import fully_shard
 
 import backport
+from _fsdp_cases import evaluate, outcome_of
 from backport._launch import run_ranks
+from test_lightning_fabric import _parallelize as _parallelize_mixed
+from test_lightning_fabric import _setup, _states, perturb_then_load
 
 
 PATCH = Path(__file__).parent.parent / "lightning_patch/modelparallel-reshard-fsdp2.patch"
