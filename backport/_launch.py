@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import os
 import queue
-import socket
+import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 
 # One failing rank must fail the run, not leave its peers in a collective until
@@ -22,28 +24,57 @@ class RankError(RuntimeError):
     """A rank raised, timed out or died; carries every rank's report."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def host_store(world_size: int):
+    """A TCPStore on a port the OS assigns, hosted by this process for ranks it starts.
+
+    As torchrun's agent does: the ranks' environment (``rank_env``) makes
+    ``init_process_group``'s env:// rendezvous connect to it as clients, so no
+    port is guessed and then bound by another process first. Keep it alive
+    until the ranks have joined the group.
+    """
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, timeout=PG_TIMEOUT, wait_for_workers=False
+    )
 
 
-def _rank_main(rank, world_size, port, fn, args, results) -> None:
+def rank_env(store, rank: int, world_size: int) -> dict[str, str]:
+    """torchrun's environment for ``rank``, with ``store`` as the agent's store."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
+
+
+def _reset_after_run(environ: dict[str, str], stdio: tuple[int, int]) -> None:
+    """Undo what a function may have changed in this process that the next one would see."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.dup2(stdio[0], 1)
+    os.dup2(stdio[1], 2)
+    backport = sys.modules.get("backport")
+    if backport is not None and backport.is_applied():
+        backport.revert()
+    # The next run's collectives must not meet this run's groups' threads.
+    gc.collect()
+
+
+def _rank_main(rank, world_size, env, tasks, results) -> None:
     import torch.distributed as dist
 
     # Native libraries (gloo) log to stdout; keep the parent's stdout for results.
     os.dup2(2, 1)
+    stdio = (os.dup(1), os.dup(2))
     # A rank killed by a signal (SIGSEGV, SIGABRT) prints its Python stacks to
     # stderr, which the test's report shows, instead of only its exit code.
     faulthandler.enable()
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(env)
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
 
@@ -52,9 +83,20 @@ def _rank_main(rank, world_size, port, fn, args, results) -> None:
         torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", timeout=PG_TIMEOUT)
-        results.put((rank, True, fn(*args)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, traceback.format_exc(), False))
+        return
+    try:
+        # One function after another until the parent sends None.
+        for fn, args in iter(tasks.get, None):
+            environ = dict(os.environ)
+            try:
+                report = (rank, True, fn(*args))
+            except BaseException:  # noqa: BLE001 - reported to the parent
+                report = (rank, False, traceback.format_exc())
+            _reset_after_run(environ, stdio)
+            # A function that destroyed the group leaves no world to reuse.
+            results.put((*report, dist.is_initialized()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -67,64 +109,173 @@ def _rank_main(rank, world_size, port, fn, args, results) -> None:
         gc.collect()
 
 
-def run_ranks(
-    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 600.0
-) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` spawned ranks; return the results by rank.
+class RankWorld:
+    """``world_size`` spawned ranks in one gloo group, running functions one after another.
 
-    ``fn`` must be importable by qualified name and return something picklable.
-    Raises RankError naming every rank that raised, timed out or died, also
-    one that died at exit after returning its result.
+    As torch's ``MultiProcContinuousTest`` keeps one world per test class:
+    ``run`` starts the ranks the first time and reuses them after a run that
+    every rank completed. A run in which a rank raised, died or timed out
+    raises RankError and ends the world (its peers may be stuck in a
+    collective); the next run starts a new one. Between runs each rank restores
+    its environment variables and standard streams, reverts the backport if a
+    function left it applied, and collects garbage. ``close`` stops the ranks
+    and raises RankError for one that exits with a non-zero code.
     """
-    import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results))
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    reports: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(reports) < world_size and time.monotonic() < deadline:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._store: Any = None
+        self._previous_run = ""
+
+    def _start(self) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._store = host_store(self.world_size)
+        self._procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(
+                    rank, self.world_size, rank_env(self._store, rank, self.world_size),
+                    self._tasks[rank], self._results,
+                ),
+            )
+            for rank in range(self.world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600.0) -> list[Any]:
+        """Run ``fn(*args)`` on every rank; return the results by rank.
+
+        ``fn`` must be importable by qualified name and return something
+        picklable. Raises RankError naming every rank that raised, timed out
+        or died.
+        """
+        dead = [
+            f"rank {rank}: died after {self._previous_run} returned (exit code {proc.exitcode})"
+            for rank, proc in enumerate(self._procs)
+            if not proc.is_alive()
+        ]
+        if dead:
+            self._kill()
+            raise RankError(f"{len(dead)} of {self.world_size} ranks failed:\n" + "\n".join(dead))
+        if not self._procs:
+            self._start()
+        self._previous_run = getattr(fn, "__qualname__", repr(fn))
+        for tasks in self._tasks:
+            tasks.put((fn, args))
+        reports: dict[int, tuple[bool, Any, bool]] = {}
+        deadline = time.monotonic() + timeout
+        while len(reports) < self.world_size and time.monotonic() < deadline:
             try:
-                rank, ok, value = results.get(timeout=1.0)
+                rank, ok, value, reusable = self._results.get(timeout=1.0)
             except queue.Empty:
                 # A rank that died before reporting (a crash at start-up, a
                 # signal) reports nothing: stop waiting once every silent rank
                 # has exited and its last message had time to arrive.
-                silent = [p for r, p in enumerate(procs) if r not in reports]
+                silent = [p for r, p in enumerate(self._procs) if r not in reports]
                 if all(p.exitcode is not None for p in silent):
                     try:
-                        rank, ok, value = results.get(timeout=5.0)
+                        rank, ok, value, reusable = self._results.get(timeout=5.0)
                     except queue.Empty:
                         break
                 else:
                     continue
-            reports[rank] = (ok, value)
-    finally:
+            reports[rank] = (ok, value, reusable)
+        failures = [
+            f"rank {rank}: {reports[rank][1]}" if rank in reports else
+            f"rank {rank}: no result (exit code {self._procs[rank].exitcode})"
+            for rank in range(self.world_size)
+            if not reports.get(rank, (False,))[0]
+        ]
+        if failures:
+            self._kill()
+            raise RankError(
+                f"{len(failures)} of {self.world_size} ranks failed:\n" + "\n".join(failures)
+            )
+        if not all(reusable for _, _, reusable in reports.values()):
+            self.close()
+        return [reports[rank][1] for rank in range(self.world_size)]
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        self._procs = []
+
+    def close(self) -> None:
+        """Stop the ranks; raise RankError for one that exits with a non-zero code.
+
+        A rank that returned its results and then crashed at exit (after
+        ``destroy_process_group()``) fails here: no crash hides behind a result.
+        """
+        for tasks, proc in zip(self._tasks, self._procs):
+            if proc.is_alive():
+                tasks.put(None)
+        procs, self._procs = self._procs, []
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    failures = [
-        f"rank {rank}: {reports[rank][1]}" if rank in reports else
-        f"rank {rank}: no result (exit code {procs[rank].exitcode})"
-        for rank in range(world_size)
-        if not reports.get(rank, (False,))[0]
-    ]
-    # A rank that returned its result and then crashed at exit (after
-    # destroy_process_group()) fails the run too: no crash hides behind a result.
-    failures += [
-        f"rank {rank}: returned its result, then exited with code {procs[rank].exitcode}"
-        for rank in range(world_size)
-        if reports.get(rank, (False,))[0] and procs[rank].exitcode != 0
-    ]
-    if failures:
-        raise RankError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(failures))
-    return [reports[rank][1] for rank in range(world_size)]
+        failures = [
+            f"rank {rank}: returned its results, then exited with code {proc.exitcode}"
+            for rank, proc in enumerate(procs)
+            if proc.exitcode != 0
+        ]
+        if failures:
+            raise RankError(
+                f"{len(failures)} of {self.world_size} ranks failed:\n" + "\n".join(failures)
+            )
+
+
+# The worlds that run_ranks reuses, by world size, while shared_worlds() is open.
+_shared_worlds: dict[int, RankWorld] | None = None
+
+
+@contextlib.contextmanager
+def shared_worlds() -> Iterator[None]:
+    """Within this block, run_ranks reuses one RankWorld per world size; closed at exit."""
+    global _shared_worlds
+    outer, _shared_worlds = _shared_worlds, {}
+    try:
+        yield
+    finally:
+        worlds, _shared_worlds = _shared_worlds, outer
+        errors = []
+        for world in worlds.values():
+            try:
+                world.close()
+            except RankError as e:
+                errors.append(str(e))
+        if errors:
+            raise RankError("\n".join(errors))
+
+
+def run_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 600.0
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks; return the results by rank.
+
+    ``fn`` must be importable by qualified name and return something picklable.
+    Raises RankError naming every rank that raised, timed out or died, also
+    one that died at exit after returning its result. Inside ``shared_worlds()``
+    the ranks are those of the block's world of that size (``RankWorld``), and
+    the exit codes are checked when the block ends.
+    """
+    if _shared_worlds is None:
+        world = RankWorld(world_size)
+        try:
+            results = world.run(fn, *args, timeout=timeout)
+        finally:
+            world.close()
+        return results
+    world = _shared_worlds.setdefault(world_size, RankWorld(world_size))
+    return world.run(fn, *args, timeout=timeout)

@@ -25,7 +25,7 @@ from datetime import timedelta
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-from backport._launch import _free_port  # noqa: E402
+from backport._launch import host_store, rank_env
 
 
 WORLD_SIZE = 2
@@ -73,17 +73,13 @@ def heap_errors(log: str) -> list[str]:
 
 
 def main(names: list[str]) -> int:
-    port = _free_port()
+    store = host_store(WORLD_SIZE)
     with tempfile.TemporaryDirectory() as logs:
         procs = []
         for rank in range(WORLD_SIZE):
             env = dict(
                 os.environ,
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RANK=str(rank),
-                WORLD_SIZE=str(WORLD_SIZE),
-                LOCAL_RANK=str(rank),
+                **rank_env(store, rank, WORLD_SIZE),
                 # Python's own allocator hides its blocks from memcheck.
                 PYTHONMALLOC="malloc",
             )
