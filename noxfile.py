@@ -27,47 +27,11 @@ WORLD_SIZE_2_ONLY = "not world_size_1 and not world_size_4"
 FRAMEWORKS_TORCH_SELECTION = [
     "-k", f"{WORLD_SIZE_2_ONLY} and not test_prove_patch_on_installed_torch",
 ]
-# On 2.7 fully_shard rejects reshard_after_forward=None, which the rest of the
-# suite builds its root with; test_torch27.py covers 2.7's own cases.
-TORCH_27_TESTS = [
-    "test/test_torch27.py",
-    "test/test_api.py",
-    "test/test_vendoring.py",
-    "test/test_patch_matches_backport.py",
-    "test/test_diagnose.py",
-    "test/test_unaffected_models.py",
-    "test/test_accelerate.py",
-    "test/test_transformers_trainer.py",
-]
-
-# Every test file that starts ranks (run_ranks, torchrun, prove.py's
-# MultiProcessTestCase); the flake session runs each three times in a row.
-MULTI_RANK_TESTS = [
-    "test/test_accelerate.py",
-    "test/test_benchmarks_smoke.py",
-    "test/test_checkpoint_roundtrip.py",
-    "test/test_diagnose.py",
-    "test/test_do_no_harm.py",
-    "test/test_errors.py",
-    "test/test_eval_state_dict_matrix.py",
-    "test/test_eval_state_dict_setups.py",
-    "test/test_example_accelerate.py",
-    "test/test_example_fabric.py",
-    "test/test_fsdp2_tied_module_hooks.py",
-    "test/test_lightning_fabric.py",
-    "test/test_lightning_patch.py",
-    "test/test_lightning_trainer.py",
-    "test/test_state_dict_structure.py",
-    "test/test_torch_patch.py",
-    "test/test_torchtitan.py",
-    "test/test_transformers_trainer.py",
-    "test/test_unaffected_models.py",
-]
-
 nox.options.reuse_existing_virtualenvs = True
 
-# `nox` alone runs these (what CI runs); `nox -s flake` is run by hand.
-nox.options.sessions = ["tests", "twinkle"]
+# `nox` alone runs these (what CI runs); `nox -s flake` and `nox -s fuzz`
+# are run by hand.
+nox.options.sessions = ["lint", "tests", "twinkle"]
 
 # A CUDA build of torch fills 5.5-7.3 GiB of virtualenv, and the five sessions'
 # virtualenvs 23 GiB: more than some CI machines have free (a run failed with
@@ -82,12 +46,12 @@ def _install(session: nox.Session, *args: str) -> None:
     session.install(*args, env={"PIP_CONSTRAINT": "/dev/null"})
 
 
-def _install_and_test(
-    session: nox.Session, requirements: list[str], pytest_args: list[str]
+def _install_and_run(
+    session: nox.Session, requirements: list[str], command: list[str]
 ) -> None:
     try:
         _install(session, *requirements)
-        session.run("python", "-m", "pytest", *pytest_args)
+        session.run(*command)
     finally:
         if DISCARD_VENVS:
             shutil.rmtree(session.virtualenv.location, ignore_errors=True)
@@ -99,30 +63,57 @@ def tests(session: nox.Session, torch: str) -> None:
     extras = "test,frameworks" if torch == FRAMEWORKS_TORCH else "test"
     # --durations: the slowest tests of each session show in the log.
     default = ["-q", "--durations=15"]
-    if torch.startswith("2.7."):
-        default += TORCH_27_TESTS
-    elif torch == FRAMEWORKS_TORCH:
+    # On 2.7, test/conftest.py skips every test not marked torch27.
+    if torch == FRAMEWORKS_TORCH:
         default += FRAMEWORKS_TORCH_SELECTION
-    _install_and_test(
-        session, [f"torch=={torch}", f".[{extras}]"], session.posargs or default
+    _install_and_run(
+        session,
+        [f"torch=={torch}", f".[{extras}]"],
+        ["python", "-m", "pytest", *(session.posargs or default)],
     )
 
 
 @nox.session
 def twinkle(session: nox.Session) -> None:
     default = ["-q", "--durations=15", "test/test_twinkle.py"]
-    _install_and_test(
-        session, ["torch==2.13.0", ".[twinkle]"], session.posargs or default
+    _install_and_run(
+        session,
+        ["torch==2.13.0", ".[twinkle]"],
+        ["python", "-m", "pytest", *(session.posargs or default)],
     )
 
 
 @nox.session
+def lint(session: nox.Session) -> None:
+    """ruff, at the version the ``lint`` extra pins, on the whole tree."""
+    extras = nox.project.load_toml("pyproject.toml")["project"]["optional-dependencies"]
+    # Not ".[lint]": that would install torch.
+    session.install(*extras["lint"])
+    session.run("ruff", "check", *(session.posargs or ["."]))
+
+
+@nox.session
 def flake(session: nox.Session) -> None:
-    """Each multi-rank test file three times in a row on the frameworks release."""
+    """The tests marked ranks three times in a row on the frameworks release."""
     _install(session, f"torch=={FRAMEWORKS_TORCH}", ".[test,frameworks]")
-    for path in session.posargs or MULTI_RANK_TESTS:
-        for _ in range(3):
-            session.run(
-                "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                "-k", WORLD_SIZE_2_ONLY, path,
-            )
+    for _ in range(3):
+        session.run(
+            "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            "-m", "ranks", "-k", WORLD_SIZE_2_ONLY, *session.posargs,
+        )
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """A long randomized differential run: ``nox -s fuzz -- --seeds 0-9 --n 100``.
+
+    Arguments go to ``test/fuzz_differential.py`` (``--help`` lists them);
+    ``FUZZ_TORCH=2.15.0 nox -s fuzz`` picks the release.
+    """
+    torch = os.environ.get("FUZZ_TORCH", "2.10.0")
+    default = ["--seeds", "0-9", "--n", "30"]
+    _install_and_run(
+        session,
+        [f"torch=={torch}", ".[test]"],
+        ["python", "test/fuzz_differential.py", *(session.posargs or default)],
+    )

@@ -12,10 +12,14 @@ from collections import Counter
 from pathlib import Path
 
 import expecttest
+import pytest
 import torch
 import torch.distributed.checkpoint.state_dict as dsd
 
 import backport
+
+
+pytestmark = pytest.mark.torch27
 
 
 SOURCE = Path(backport.__file__)

@@ -8,6 +8,10 @@ import unittest
 from pathlib import Path
 
 import expecttest
+import pytest
+
+
+pytestmark = pytest.mark.ranks
 
 
 RUN = Path(__file__).parent.parent / "benchmarks" / "run.py"

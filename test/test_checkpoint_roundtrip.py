@@ -4,6 +4,7 @@ import tempfile
 import unittest
 
 import expecttest
+import pytest
 import torch.distributed.checkpoint as dcp
 
 import backport
@@ -21,6 +22,9 @@ from _fsdp_cases import (
     train_step,
 )
 from backport._launch import run_ranks
+
+
+pytestmark = pytest.mark.ranks
 
 
 STEPS_AFTER = 3

@@ -9,10 +9,14 @@ import unittest
 from pathlib import Path
 
 import expecttest
+import pytest
 import torch
 
 import backport
 from backport._diagnose import _report
+
+
+pytestmark = [pytest.mark.ranks, pytest.mark.torch27]
 
 
 def _render(text: str) -> str:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import expecttest
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import _patch_model_state_dict
@@ -38,6 +39,9 @@ from _fsdp_cases import (
     train_step,
     unpatched_then_patched,
 )
+
+
+pytestmark = pytest.mark.ranks
 
 
 class PlainRoot(nn.Module):

@@ -4,6 +4,7 @@ import traceback
 import unittest
 
 import expecttest
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
@@ -22,6 +23,9 @@ from _fsdp_cases import (
     unpatched_then_patched,
 )
 from backport._launch import run_ranks
+
+
+pytestmark = pytest.mark.ranks
 
 
 FLATTENED = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -10,9 +10,13 @@ first on the unpatched torch, then after ``backport.apply()``.
 import unittest
 
 import expecttest
+import pytest
 
 from _fsdp_cases import has_replicate, matrix_worker
 from backport._launch import run_ranks
+
+
+pytestmark = pytest.mark.ranks
 
 
 class EvalStateDictMatrixTest(expecttest.TestCase):

@@ -10,6 +10,7 @@ a run that never evaluated or checkpointed.
 import unittest
 
 import expecttest
+import pytest
 
 from _fsdp_cases import (
     CALLS,
@@ -24,6 +25,9 @@ from _fsdp_cases import (
     run_case,
     unpatched_then_patched,
 )
+
+
+pytestmark = pytest.mark.ranks
 
 
 FULL = (("full_state_dict", True),)

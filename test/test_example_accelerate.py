@@ -9,6 +9,10 @@ import unittest
 from pathlib import Path
 
 import expecttest
+import pytest
+
+
+pytestmark = pytest.mark.ranks
 
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "accelerate_fsdp2_eval_checkpoint.py"

@@ -10,6 +10,10 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import expecttest
+import pytest
+
+
+pytestmark = pytest.mark.ranks
 
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "fabric_fsdp2_eval_checkpoint.py"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import unittest
 
 import expecttest
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -28,6 +29,9 @@ from _fsdp_cases import (
     unpatched_then_patched,
 )
 from backport import _FSDP2_TO_SHARDED_HOOK
+
+
+pytestmark = pytest.mark.ranks
 
 
 def _tied_model() -> nn.Module:

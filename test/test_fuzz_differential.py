@@ -13,10 +13,15 @@ import os
 import re
 import unittest
 
+import pytest
 import torch
 
 import fuzz_differential
 from fuzz_configs import make_config
+
+
+# Its worlds tolerate a rank that dies at exit (fuzz_differential.run_configs).
+pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
 
 
 # The primary target and the newest release; CI's time is spent on these two.

@@ -13,6 +13,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import expecttest
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
@@ -30,6 +31,9 @@ from _fsdp_cases import (
     unpatched_then_patched,
 )
 from backport._launch import run_ranks
+
+
+pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
 
 
 def _parallelize(model, device_mesh):

@@ -33,6 +33,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import expecttest
+import pytest
 from torch.distributed.fsdp import fully_shard
 
 import backport
@@ -40,6 +41,9 @@ from _fsdp_cases import evaluate, outcome_of
 from backport._launch import run_ranks
 from test_lightning_fabric import _parallelize as _parallelize_mixed
 from test_lightning_fabric import _setup, _states, perturb_then_load
+
+
+pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
 
 
 PATCH = Path(__file__).parent.parent / "lightning_patch/modelparallel-reshard-fsdp2.patch"

@@ -13,6 +13,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import expecttest
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -29,6 +30,9 @@ from _fsdp_cases import (
     unpatched_then_patched,
 )
 from backport._launch import run_ranks
+
+
+pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
 
 
 # What ModelParallelStrategy.optimizer_state asks DCP for with distributed checkpoints.

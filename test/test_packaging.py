@@ -13,6 +13,10 @@ from email.parser import Parser
 from pathlib import Path
 
 import expecttest
+import pytest
+
+
+pytestmark = [pytest.mark.ranks, pytest.mark.torch27]
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,9 +19,13 @@ import textwrap
 import unittest
 from pathlib import Path
 
+import pytest
 import torch.distributed.checkpoint.state_dict as state_dict_module
 
 import backport
+
+
+pytestmark = pytest.mark.torch27
 
 
 PATCHES = sorted((Path(__file__).parent.parent / "torch_patch").glob("0*.patch"))

@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 import expecttest
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -42,6 +43,9 @@ from _fsdp_cases import (
     train_step,
 )
 from backport._launch import RankError, run_ranks
+
+
+pytestmark = pytest.mark.ranks
 
 
 # 2.7 rejects the root's reshard_after_forward=None that build() uses;

@@ -3,6 +3,7 @@
 import unittest
 
 import expecttest
+import pytest
 
 import backport
 from _fsdp_cases import (
@@ -16,6 +17,9 @@ from _fsdp_cases import (
     train_step,
 )
 from backport._launch import run_ranks
+
+
+pytestmark = pytest.mark.ranks
 
 
 def structure_worker() -> dict[str, str]:

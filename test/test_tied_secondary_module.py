@@ -18,6 +18,7 @@ import unittest
 from typing import Any
 
 import expecttest
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -33,6 +34,9 @@ from _fsdp_cases import (
     unpatched_then_patched,
 )
 from backport._launch import run_ranks
+
+
+pytestmark = pytest.mark.ranks
 
 
 # 2.7 never reshards its root after a forward and was not measured here;

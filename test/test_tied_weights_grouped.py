@@ -21,6 +21,7 @@ import unittest
 from typing import Any
 
 import expecttest
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -31,6 +32,9 @@ from torch.distributed.tensor import DTensor
 import backport
 from _fsdp_cases import StateDictOptions, clone, get_model_state_dict
 from backport._launch import RankError, run_ranks
+
+
+pytestmark = pytest.mark.ranks
 
 
 # 2.7 never reshards its root after a forward and was not measured here;

@@ -14,6 +14,7 @@ this file and the version-independent ones.
 import unittest
 
 import expecttest
+import pytest
 import torch
 
 from _fsdp_cases import (
@@ -25,6 +26,9 @@ from _fsdp_cases import (
     unpatched_then_patched,
 )
 from backport._launch import run_ranks
+
+
+pytestmark = [pytest.mark.ranks, pytest.mark.torch27]
 
 
 IS_TORCH_27 = torch.__version__ >= (2, 7) and torch.__version__ < (2, 8)

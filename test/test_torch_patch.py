@@ -8,7 +8,11 @@ import unittest
 from pathlib import Path
 
 import expecttest
+import pytest
 import torch
+
+
+pytestmark = pytest.mark.ranks
 
 
 PROVE = Path(__file__).parent.parent / "torch_patch" / "prove.py"

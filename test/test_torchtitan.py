@@ -15,6 +15,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import expecttest
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ from _fsdp_cases import (
     unpatched_then_patched,
 )
 from backport._launch import run_ranks
+
+
+pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
 
 
 def _setup(folder: Path):

@@ -14,6 +14,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import expecttest
+import pytest
 
 from _fsdp_cases import (
     clone,
@@ -24,6 +25,9 @@ from _fsdp_cases import (
     unpatched_then_patched,
 )
 from backport._launch import run_ranks
+
+
+pytestmark = [pytest.mark.ranks, pytest.mark.torch27, pytest.mark.fresh_ranks]
 
 
 VOCAB = 64

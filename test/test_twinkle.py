@@ -24,9 +24,13 @@ import tempfile
 import unittest
 
 import expecttest
+import pytest
 
 from _fsdp_cases import clone, differences, outcome_of, perturb, unpatched_then_patched
 from backport._launch import run_ranks
+
+
+pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
 
 
 HAS_TWINKLE = importlib.util.find_spec("twinkle") is not None

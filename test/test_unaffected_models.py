@@ -3,6 +3,7 @@
 import unittest
 
 import expecttest
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -19,6 +20,9 @@ from _fsdp_cases import (
     train_step,
 )
 from backport._launch import run_ranks
+
+
+pytestmark = [pytest.mark.ranks, pytest.mark.torch27]
 
 
 def _wrap(kind: str) -> nn.Module:

@@ -8,9 +8,13 @@ import tempfile
 import unittest
 from pathlib import Path
 
+import pytest
 import torch.distributed.checkpoint.state_dict as dsd
 
 import backport
+
+
+pytestmark = pytest.mark.torch27
 
 
 SOURCE = Path(backport.__file__)
