@@ -87,8 +87,9 @@ class RankWorldTest(unittest.TestCase):
             run_ranks(2, exit_with_3_later)
 
     def test_ranks_meet_at_the_launchers_store(self) -> None:
-        self.assertEqual(len(set(run_ranks(2, rendezvous_env))), 1)
-        self.assertEqual(run_ranks(2, rendezvous_env)[0][1], "True")
+        envs = run_ranks(2, rendezvous_env)
+        self.assertEqual(envs[0], envs[1])
+        self.assertEqual(envs[0][1], "True")
 
 
 if __name__ == "__main__":

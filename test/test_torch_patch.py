@@ -16,6 +16,9 @@ pytestmark = pytest.mark.ranks
 
 
 PROVE = Path(__file__).parent.parent / "torch_patch" / "prove.py"
+# The PRs target PyTorch's main branch: CI proves them on the newest release
+# only (two minutes a run); PROVE_ANY_TORCH=1 proves them on any release.
+PROVE_HERE = torch.__version__ >= (2, 15) or os.environ.get("PROVE_ANY_TORCH") == "1"
 
 
 class TorchPatchTest(expecttest.TestCase):
@@ -42,6 +45,7 @@ torch <torch> + 0001 + 0002:
   git apply 0002-DSD-Raise-a-descriptive-error-for-optimizer-params-n.patch: clean
 """)
 
+    @unittest.skipUnless(PROVE_HERE, "CI proves the stack on torch 2.15 (PROVE_ANY_TORCH=1: here too)")
     def test_prove_patch_on_installed_torch(self) -> None:
         # CI machines set CI, which changes how torch's run_tests() reports.
         proc = subprocess.run(
