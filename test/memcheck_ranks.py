@@ -1,7 +1,7 @@
 """Run the setups test's worker on 2 ranks under valgrind memcheck; report heap errors.
 
-Not a test (nothing collects it): the check behind README's note on the
-intermittent SIGSEGV. Each rank is its own ``valgrind python`` process, started
+Not a test (nothing collects it): the check behind docs/testing.md's note on
+the intermittent SIGSEGV. Each rank is its own ``valgrind python`` process, started
 with torchrun's environment, and runs ``setups_worker`` of
 ``test_eval_state_dict_setups.py`` (torch as installed, then with the
 backport), or only the stock half of the setups named on the command line.

@@ -2,6 +2,7 @@
 
 import ast
 import importlib.util
+import re
 import sys
 import tempfile
 import threading
@@ -363,6 +364,26 @@ class SupportGateTest(expecttest.TestCase):
                 backport._check_support(version, module).replace(version, "<v>"),
                 """torch <v> already contains the fix; remove the backport""",
             )
+
+
+class SupportedRangeTest(unittest.TestCase):
+    """``backport._SUPPORTED`` defines the range; what states it elsewhere follows it."""
+
+    def test_statements_of_the_range_follow_supported(self) -> None:
+        root = SOURCE.parent.parent
+        (lo_major, lo_minor), (hi_major, hi_minor) = backport._SUPPORTED
+        stated = f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
+        readme = (root / "README.md").read_text()
+        self.assertIn(f"torch you have installed ({stated})", " ".join(readme.split()))
+        self.assertIn(f"| < {lo_major}.{lo_minor}, ≥ {hi_major}.{hi_minor + 1} |", readme)
+        self.assertIn(f"Targets torch {stated} (``_SUPPORTED``)", backport.__doc__)
+        self.assertIn(f'"torch>={lo_major}.{lo_minor}"', (root / "pyproject.toml").read_text())
+        # Every release the suite runs on is supported.
+        noxfile = (root / "noxfile.py").read_text()
+        tested = ast.literal_eval(re.search(r"^TORCH_VERSIONS = (.*)$", noxfile, re.MULTILINE).group(1))
+        for version in tested:
+            release = tuple(int(part) for part in version.split(".")[:2])
+            self.assertTrue(backport._SUPPORTED[0] <= release <= backport._SUPPORTED[1], version)
 
 
 if __name__ == "__main__":
