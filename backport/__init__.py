@@ -24,7 +24,8 @@ a ``ValueError``, not a crash; ``_get_optim_state_dict`` and
 ``_load_optim_state_dict`` so that where torch raises a bare ``KeyError`` for an
 optimizer parameter the model does not own, ``OptimizerParamNotInModelError``
 (a ``ValueError`` and a ``KeyError``) names it and, from its type, the FSDP2
-state the optimizer missed.
+state the optimizer missed; for a plain module passed to ``get_state_dict`` or
+``set_state_dict`` with such a DTensor, before the model part.
 
 The reshard is rank-local: the next forward all-gathers a resharded group, so
 with the backport applied call the state-dict functions on every rank of each
@@ -271,6 +272,31 @@ def _reshard_fsdp2_groups_of_plain_module(model: nn.Module) -> None:
                 hook(module, "", True)
 
 
+def _verify_optim_params_reachable(
+    model: nn.Module,
+    optims: tuple[torch.optim.Optimizer, ...],
+    info: _StateDictInfo,
+) -> None:
+    """Raise the unowned-parameter error before the model part of a call.
+
+    ``get_state_dict`` and ``set_state_dict`` handle the model first: for the
+    secondary module of tied weights, whose group an FSDP module outside it
+    keeps unsharded, ``set_state_dict`` would otherwise fail loading the model
+    with torch's Tensor/DTensor mismatch, which does not name the cause. Torch
+    raises a ``KeyError`` for this input in the optimizer part either way.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if info.fsdp_modules or any(isinstance(m, FSDPModule) for m in model.modules()):
+        return
+    for optim in optims:
+        for group in optim.param_groups:
+            for param in group[_PARAMS]:
+                if isinstance(param, DTensor) and param not in info.fqn_param_mapping:
+                    raise _unowned_param_error_here(model, optim, param, info)
+
+
 def _wrap_verify_options(verify_options: Callable) -> Callable:
     @functools.wraps(verify_options)
     def _verify_options(
@@ -285,9 +311,12 @@ def _wrap_verify_options(verify_options: Callable) -> Callable:
         if optims or not optim_only:
             _reshard_fsdp2_modules(model)
             _reshard_fsdp2_groups_of_plain_module(model)
-        return verify_options(
+        info = verify_options(
             model, optims, optim_only, submodules=submodules, options=options
         )
+        if optims and not optim_only:
+            _verify_optim_params_reachable(model, optims, info)
+        return info
 
     return _verify_options
 

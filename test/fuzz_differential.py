@@ -860,6 +860,64 @@ def _rule_tied_secondary(config, baseline, fix, idx) -> bool:
     )
 
 
+def _rule_tied_secondary_model_call(config, baseline, fix, idx) -> bool:
+    """README, Limits: a model call on the secondary module of tied weights sees
+    the group as FSDP2 left it, as with stock torch: while the group is
+    unsharded, get_model_state_dict returns the unsharded parameter (a full
+    tensor, in the compute dtype under mixed precision) and loading a sharded
+    state dict into it fails."""
+    event = _failing_event(config, fix, idx)
+    if not (config["model"]["tied"] and event is not None and event["do"] == "call"
+            and event["target"] == "head" and event["call"] in ("get_model", "set_model")):
+        return False
+    error = _raised(fix, idx)
+    if error is not None:
+        return error.startswith("RuntimeError: Error(s) in loading state_dict for Linear")
+    record = fix["records"][idx]
+    return record[1] == "get_model" and all(
+        not leaf[1].startswith("DTensor") for leaf in record[2] if leaf[0].endswith("weight")
+    )
+
+
+def _group_paths(config: Config) -> list[list[str]]:
+    """Each FSDP2 group's module paths, indexed as unshard events count them."""
+    wrap = config["wrapping"]
+    paths = [list(group["modules"]) for group in wrap["groups"]]
+    if wrap["root"]["kind"] != "plain":
+        paths.append([""])
+    return paths
+
+
+def _is_under(path: str, ancestor: str) -> bool:
+    return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
+
+
+def _rule_group_outside_target(config, baseline, fix, idx) -> bool:
+    """README "What it changes": a call on a submodule reshards the FSDP2 groups
+    in it and the group owning its own parameters, not the rest of the model as
+    the reference does: a tensor held from unshard() of another group stays
+    allocated, as with stock torch."""
+    records, base = fix["records"], baseline["records"]
+    if idx >= len(records) or idx >= len(base) or records[idx][1] != "held":
+        return False
+    event = _failing_event(config, fix, idx)
+    if event is None or event["do"] != "call" or event["target"] == "":
+        return False
+    target, paths = event["target"], _group_paths(config)
+    owner = max(
+        (p for group in paths for p in group if _is_under(target, p)), key=len, default=None
+    )
+    for got, want in zip(records[idx][2], base[idx][2]):
+        if got == want:
+            continue
+        group = paths[int(got[0].split(":")[0]) % len(paths)]
+        if not (got[0] == want[0] and got[1] > 0 and want[1] == 0):
+            return False
+        if any(_is_under(p, target) or p == owner for p in group):
+            return False
+    return len(records[idx][2]) == len(base[idx][2])
+
+
 def _rule_aborted_forward_without_reset(config, baseline, fix, idx) -> bool:
     """backport's docstring, README "What it changes": a forward or backward that
     raised leaves its groups marked as running, and reshard() skips them until
@@ -891,6 +949,8 @@ RULES = {
     "optimizer built after an evaluation": _rule_optimizer_built_after_eval,
     "OptimizerParamNotInModelError for a bare KeyError": _rule_unowned_param_error_type,
     "tied secondary module (Limits)": _rule_tied_secondary,
+    "tied secondary module, model call (Limits)": _rule_tied_secondary_model_call,
+    "a group outside the submodule passed in": _rule_group_outside_target,
     "forward aborted without reset_iter_state()": _rule_aborted_forward_without_reset,
     "rank-local reshard (a call on rank 0 alone)": _rule_rank_local_reshard,
 }

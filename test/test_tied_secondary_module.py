@@ -29,7 +29,9 @@ from _fsdp_cases import (
     clone,
     differences,
     evaluate,
+    get_model_state_dict,
     get_optimizer_state_dict,
+    set_state_dict,
     train_step,
     unpatched_then_patched,
 )
@@ -82,12 +84,26 @@ def tied_secondary_worker() -> dict[str, dict[str, Any]]:
         # Before the evaluation every group is sharded: the reference states.
         head_ref = clone(get_optimizer_state_dict(model.head, head_optim))
         root_ref = clone(get_optimizer_state_dict(model, head_optim))
+        head_model_ref = clone(get_model_state_dict(model.head))
         evaluate(model)
         result: dict[str, Any] = {
             "head error": _error(lambda: get_optimizer_state_dict(model.head, head_optim)),
             "head state keys": sorted(head_ref["state"]),
             "root state keys": sorted(root_ref["state"]),
         }
+        set_error = _error(
+            lambda: set_state_dict(
+                model.head, head_optim,
+                model_state_dict=head_model_ref, optim_state_dict=head_ref,
+            )
+        )
+        # Stock's KeyError is the DTensor's repr: the rank's values.
+        if set_error["message"].startswith("DTensor("):
+            set_error["message"] = "DTensor(...)"
+        result["head set_state_dict error"] = set_error
+        # A model call on the head sees the group as FSDP2 left it (a Limit).
+        head_weight = get_model_state_dict(model.head)["weight"]
+        result["head model weight"] = (type(head_weight).__name__, tuple(head_weight.shape))
         try:
             result["root differences"] = differences(
                 get_optimizer_state_dict(model, head_optim), root_ref
@@ -117,6 +133,11 @@ class TiedSecondaryModuleTest(expecttest.TestCase):
             {"type": "KeyError", "is ValueError": False, "is KeyError": True, "message": "0"},
         )
         self.assertEqual(stock["root differences"], "KeyError: 0")
+        self.assertEqual(
+            stock["head set_state_dict error"],
+            {"type": "KeyError", "is ValueError": False, "is KeyError": True,
+             "message": "DTensor(...)"},
+        )
         # Resharding by hand is the workaround on stock too.
         self.assertEqual(stock["head differences after reshard()"], [])
 
@@ -124,6 +145,10 @@ class TiedSecondaryModuleTest(expecttest.TestCase):
         self.assertIsNotNone(error, "get_optimizer_state_dict(model.head, ...) returned")
         # A KeyError still, so callers written for stock torch keep catching it.
         self.assertTrue(error["is ValueError"] and error["is KeyError"], error)
+        # set_state_dict raises the same error.
+        self.assertEqual(patched["head set_state_dict error"], error)
+        self.assertEqual(patched["head model weight"], stock["head model weight"])
+        self.assertEqual(patched["head model weight"], ("Tensor", (16, 8)))
         for phrase in (
             r"FSDP2",
             r"unsharded",
