@@ -69,14 +69,18 @@ class FuzzDifferentialTest(unittest.TestCase):
     def test_configurations_found_by_long_runs(self) -> None:
         # Divergences of a 1,000-configuration run on 2.10.0, each now a
         # documented outcome: set_state_dict on the tied head (the error before
-        # the model part), a model call on it, a group outside a submodule.
+        # the model part), a model call on it, a group outside a submodule;
+        # and, without a verdict pinned (2.15 has reset_iter_state()), a call
+        # on a plain module after an aborted forward, and a call on rank 0
+        # alone, whose pending collective must not fail the next run.
         expected = {
             (0, 41): "documented: tied secondary module (Limits)",
             (5, 13): "documented: tied secondary module, model call (Limits)",
             (2, 35): "documented: a group outside the submodule passed in",
         }
         out = io.StringIO()
-        report = fuzz_differential.check(list(expected), world_size=2, out=out)
+        pairs = [*expected, (3, 23), (6, 22)]
+        report = fuzz_differential.check(pairs, world_size=2, out=out)
         print(out.getvalue())
         self.assertEqual(report["findings"], [], out.getvalue())
         for (seed, index), verdict in expected.items():
