@@ -288,12 +288,15 @@ def _verify_optim_params_reachable(
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    if info.fsdp_modules or any(isinstance(m, FSDPModule) for m in model.modules()):
+    if info.fsdp_modules:
         return
     for optim in optims:
         for group in optim.param_groups:
             for param in group[_PARAMS]:
                 if isinstance(param, DTensor) and param not in info.fqn_param_mapping:
+                    # Walked only on this error path, not on every call.
+                    if any(isinstance(m, FSDPModule) for m in model.modules()):
+                        return
                     raise _unowned_param_error_here(model, optim, param, info)
 
 
