@@ -27,6 +27,9 @@ SELECTIONS = {
 }
 
 nox.options.reuse_existing_virtualenvs = True
+# uv installs a CUDA build of torch in well under half pip's time; without
+# uv, virtualenv and pip.
+nox.options.default_venv_backend = "uv|virtualenv"
 
 # `nox` alone runs these (what CI runs); `nox -s flake` and `nox -s fuzz`
 # are run by hand.
@@ -41,7 +44,8 @@ DISCARD_VENVS = os.environ.get("DISCARD_NOX_VENVS") == "1"
 
 
 def _install(session: nox.Session, *args: str) -> None:
-    # Some machines cap pip at an older torch through a constraints file.
+    # Some machines cap pip at an older torch through a constraints file
+    # (uv does not read pip's configuration).
     session.install(*args, env={"PIP_CONSTRAINT": "/dev/null"})
 
 

@@ -36,6 +36,9 @@ def _release() -> tuple[int, int]:
 
 
 RUN_HERE = _release() in FUZZ_RELEASES or os.environ.get("FUZZ_ANY_TORCH") == "1"
+# The long runs' findings are pinned on the primary release alone (CI time);
+# their verdicts hold on 2.15 too.
+RUN_PINS_HERE = _release() == FUZZ_RELEASES[0] or os.environ.get("FUZZ_ANY_TORCH") == "1"
 
 
 class FuzzConfigsTest(unittest.TestCase):
@@ -66,6 +69,7 @@ class FuzzDifferentialTest(unittest.TestCase):
         self.assertGreaterEqual(counts["kind bug"], len(pairs) // 5, out.getvalue())
         self.assertGreaterEqual(counts["kind control"], len(pairs) // 5, out.getvalue())
 
+    @unittest.skipUnless(RUN_PINS_HERE, "CI runs it on torch 2.10 (FUZZ_ANY_TORCH=1: here too)")
     def test_configurations_found_by_long_runs(self) -> None:
         # Divergences of a 1,000-configuration run on 2.10.0, each now a
         # documented outcome: set_state_dict on the tied head (the error before
