@@ -6,12 +6,12 @@ import contextlib
 import faulthandler
 import gc
 import os
-import queue
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from multiprocessing.connection import wait
 from typing import Any
 
 
@@ -65,7 +65,7 @@ def _reset_after_run(environ: dict[str, str], stdio: tuple[int, int]) -> None:
     gc.collect()
 
 
-def _rank_main(rank, world_size, env, tasks, results) -> None:
+def _rank_main(env, tasks, results) -> None:
     import torch.distributed as dist
 
     # Native libraries (gloo) log to stdout; keep the parent's stdout for results.
@@ -84,19 +84,19 @@ def _rank_main(rank, world_size, env, tasks, results) -> None:
     try:
         dist.init_process_group("gloo", timeout=PG_TIMEOUT)
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        results.put((rank, False, traceback.format_exc(), False))
+        results.send((False, traceback.format_exc(), False))
         return
     try:
         # One function after another until the parent sends None.
         for fn, args in iter(tasks.get, None):
             environ = dict(os.environ)
             try:
-                report = (rank, True, fn(*args))
+                report = (True, fn(*args))
             except BaseException:  # noqa: BLE001 - reported to the parent
-                report = (rank, False, traceback.format_exc())
+                report = (False, traceback.format_exc())
             _reset_after_run(environ, stdio)
             # A function that destroyed the group leaves no world to reuse.
-            results.put((*report, dist.is_initialized()))
+            results.send((*report, dist.is_initialized()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -126,7 +126,7 @@ class RankWorld:
         self.world_size = world_size
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
-        self._results: Any = None
+        self._results: list[Any] = []
         self._store: Any = None
         self._previous_run = ""
 
@@ -134,21 +134,26 @@ class RankWorld:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        # A pipe per rank for its results, not one queue for all: a rank killed
+        # right after reporting can die holding a shared queue's write lock,
+        # and its peers' results then never arrive.
+        pipes = [ctx.Pipe(duplex=False) for _ in range(self.world_size)]
+        self._results = [reader for reader, _ in pipes]
         self._store = host_store(self.world_size)
         self._procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(
-                    rank, self.world_size, rank_env(self._store, rank, self.world_size),
-                    self._tasks[rank], self._results,
-                ),
+                args=(rank_env(self._store, rank, self.world_size), self._tasks[rank], writer),
             )
-            for rank in range(self.world_size)
+            for rank, (_, writer) in enumerate(pipes)
         ]
         for proc in self._procs:
             proc.start()
+        # Each rank now holds the only writing end of its pipe: when it dies,
+        # its reader reaches end of file.
+        for _, writer in pipes:
+            writer.close()
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600.0) -> list[Any]:
         """Run ``fn(*args)`` on every rank; return the results by rank.
@@ -171,23 +176,19 @@ class RankWorld:
         for tasks in self._tasks:
             tasks.put((fn, args))
         reports: dict[int, tuple[bool, Any, bool]] = {}
+        silent = dict(zip(self._results, range(self.world_size)))
         deadline = time.monotonic() + timeout
-        while len(reports) < self.world_size and time.monotonic() < deadline:
-            try:
-                rank, ok, value, reusable = self._results.get(timeout=1.0)
-            except queue.Empty:
-                # A rank that died before reporting (a crash at start-up, a
-                # signal) reports nothing: stop waiting once every silent rank
-                # has exited and its last message had time to arrive.
-                silent = [p for r, p in enumerate(self._procs) if r not in reports]
-                if all(p.exitcode is not None for p in silent):
-                    try:
-                        rank, ok, value, reusable = self._results.get(timeout=5.0)
-                    except queue.Empty:
-                        break
-                else:
-                    continue
-            reports[rank] = (ok, value, reusable)
+        while silent:
+            ready = wait(list(silent), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = silent.pop(conn)
+                try:
+                    reports[rank] = conn.recv()
+                except EOFError:
+                    # Died before reporting (a crash at start-up, a signal).
+                    self._procs[rank].join(timeout=5.0)
         failures = [
             f"rank {rank}: {reports[rank][1]}" if rank in reports else
             f"rank {rank}: no result (exit code {self._procs[rank].exitcode})"
@@ -209,6 +210,12 @@ class RankWorld:
                 proc.kill()
             proc.join()
         self._procs = []
+        self._close_results()
+
+    def _close_results(self) -> None:
+        for conn in self._results:
+            conn.close()
+        self._results = []
 
     def close(self) -> None:
         """Stop the ranks; raise RankError for one that exits with a non-zero code.
@@ -225,6 +232,7 @@ class RankWorld:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        self._close_results()
         failures = [
             f"rank {rank}: returned its results, then exited with code {proc.exitcode}"
             for rank, proc in enumerate(procs)

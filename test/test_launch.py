@@ -2,6 +2,8 @@
 
 import atexit
 import ctypes
+import gc
+import multiprocessing.queues
 import os
 import unittest
 
@@ -44,6 +46,16 @@ def segfault_on_rank_0() -> None:
         ctypes.string_at(0)
 
 
+def segfault_holding_queue_locks_on_rank_0() -> None:
+    # What a rank killed right after reporting can leave behind: the write
+    # lock of a multiprocessing queue, taken by its feeder thread.
+    if dist.get_rank() == 0:
+        for obj in gc.get_objects():
+            if isinstance(obj, multiprocessing.queues.Queue):
+                obj._wlock.acquire()
+        ctypes.string_at(0)
+
+
 def exit_with_3_later() -> None:
     atexit.register(os._exit, 3)
 
@@ -68,11 +80,20 @@ class RankWorldTest(unittest.TestCase):
             ):
                 run_ranks(2, raise_on_rank_1)
             after_raise = run_ranks(2, pid_after_barrier)
-            with self.assertRaisesRegex(RankError, r"rank 0: no result \(exit code -11\)"):
+            with self.assertRaisesRegex(
+                RankError, r"^1 of 2 ranks failed:\nrank 0: no result \(exit code -11\)$"
+            ):
                 run_ranks(2, segfault_on_rank_0)
             after_crash = run_ranks(2, pid_after_barrier)
         self.assertTrue(set(before).isdisjoint(after_raise))
         self.assertTrue(set(after_raise).isdisjoint(after_crash))
+
+    def test_a_rank_killed_holding_a_queue_lock_does_not_stall_its_peers(self) -> None:
+        # Rank 1 returns at once: its result must arrive, not time out.
+        with self.assertRaisesRegex(
+            RankError, r"^1 of 2 ranks failed:\nrank 0: no result \(exit code -11\)$"
+        ):
+            run_ranks(2, segfault_holding_queue_locks_on_rank_0, timeout=60)
 
     def test_a_rank_that_exits_non_zero_fails_the_close(self) -> None:
         world = RankWorld(2)
