@@ -122,8 +122,9 @@ def _reshard_fsdp2_modules(model: nn.Module) -> None:
 
     A forward without backward (e.g. an evaluation under ``torch.no_grad()``)
     or :meth:`~torch.distributed.fsdp.FSDPModule.unshard` leaves modules with
-    ``reshard_after_forward=False`` or an ``int`` unsharded: the model then
-    holds the unsharded parameters while optimizers hold the sharded DTensors.
+    ``reshard_after_forward=False`` unsharded, and with an ``int`` resharded
+    to a smaller post-forward mesh: the model then holds other parameters than
+    the sharded DTensors that optimizers hold.
     ``reshard()`` issues no collective; it registers the sharded parameters
     and, by default, frees the unsharded ones. It acts on this rank only: the
     next forward all-gathers a resharded group, so every rank of the group's
@@ -142,23 +143,27 @@ def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
 
     An optimizer built while FSDP2 modules were unsharded holds their unsharded
     parameters, whose storage ``reshard()`` frees by default; ``step()`` on one
-    writes to freed memory. Best effort: tensors without storage (sparse,
-    mkldnn) and tensor subclasses (DTensor, whose storage is a placeholder) are
-    skipped, so freed inner storage of a subclass is not detected.
+    writes to freed memory. A DTensor (FSDP2 with tensor parallelism, or an
+    ``int`` ``reshard_after_forward``) is checked through its local tensor.
+    Best effort: tensors without storage (sparse, mkldnn) and other tensor
+    subclasses, whose storage is a placeholder, are skipped.
     """
     import torch
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     for group_idx, param_group in enumerate(optim.param_groups):
         for param_idx, param in enumerate(param_group[_PARAMS]):
+            if not param.requires_grad:
+                continue
+            local = param._local_tensor if isinstance(param, DTensor) else param
             if (
-                not param.requires_grad
-                or not torch._C._has_storage(param)
-                or is_traceable_wrapper_subclass(param)
-                or param.numel() == 0
+                not torch._C._has_storage(local)
+                or is_traceable_wrapper_subclass(local)
+                or local.numel() == 0
             ):
                 continue
-            if param.untyped_storage().size() == 0:
+            if local.untyped_storage().size() == 0:
                 raise ValueError(
                     f"{type(optim).__name__} param_groups[{group_idx}]['params']"
                     f"[{param_idx}] (shape {tuple(param.shape)}) has no allocated "
