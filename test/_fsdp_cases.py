@@ -34,7 +34,13 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 import backport
 
@@ -106,6 +112,11 @@ class Case:
     offload_policy: bool = False  # FSDP2's CPUOffloadPolicy
     checkpoint_wrapper: bool = False  # blocks wrapped for activation checkpointing
     compile: bool = False  # torch.compile(backend="eager") around the sharded model
+    # Tensor parallelism of this degree on a ("dp", "tp") mesh, or with hsdp a
+    # ("replicate", "shard", "tp") one; FSDP2 shards over the other dimensions.
+    tp: int = 0
+    sequence_parallel: bool = False  # with tp: SP on the norm, as torchtitan plans
+    fsdp: bool = True  # False with tp: tensor parallel only, no fully_shard
 
 
 def raf_int(world_size: int) -> int:
@@ -171,12 +182,14 @@ def build(case: Case, seed: int = 0):
         for block in model.blocks:
             replicate(block, mesh=mesh)
         replicate(model, mesh=mesh)
+    elif case.tp:
+        mesh = _tensor_parallelize(model, case, world_size)
+    elif case.hsdp:
+        shape = (2, world_size // 2) if world_size >= 2 else (1, 1)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     else:
-        if case.hsdp:
-            shape = (2, world_size // 2) if world_size >= 2 else (1, 1)
-            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-        else:
-            mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh("cpu", (world_size,))
+    if case.fsdp and not case.replicate:
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=blocks, **fsdp_kwargs)
         if case.tail is not None:
@@ -208,6 +221,41 @@ def build(case: Case, seed: int = 0):
     if case.compile:
         model = torch.compile(model, backend="eager")
     return model, optims, StateDictOptions(**dict(case.options))
+
+
+def tp_mesh_shape(case: Case, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The device mesh of a TP case: its shape and dimension names."""
+    dp = world_size // case.tp
+    if case.hsdp:
+        replicas = 2 if dp % 2 == 0 else 1
+        return (replicas, dp // replicas, case.tp), ("replicate", "shard", "tp")
+    return (dp, case.tp), ("dp", "tp")
+
+
+def _tensor_parallelize(model: TinyLM, case: Case, world_size: int):
+    """Megatron-style TP on the blocks (SP on the rest if asked); the FSDP mesh.
+
+    With SP the activations between blocks are sharded on the sequence
+    dimension and the embedding, norm and head are tensor parallel too, as in
+    torchtitan's plan; without it they stay plain parameters.
+    """
+    shape, names = tp_mesh_shape(case, world_size)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    layout = Shard(1) if case.sequence_parallel else Replicate()
+    if case.sequence_parallel:
+        plan = {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=layout),
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=layout, output_layouts=Replicate()),
+        }
+        parallelize_module(model, mesh["tp"], plan)
+    block_plan = {
+        "lin1": ColwiseParallel(input_layouts=layout),
+        "lin2": RowwiseParallel(output_layouts=layout),
+    }
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], block_plan)
+    return mesh[names[:-1]]
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,223 @@
+"""FSDP2 composed with tensor parallelism: bug cases and controls on 2-D and 3-D meshes.
+
+With TP, FSDP2's unsharded parameters are DTensors on the TP mesh, not plain
+tensors. Each case runs the six DCP calls after an evaluation (or unshard())
+on torch as installed and again after ``backport.apply()``, and compares with
+the state before the evaluation exactly (``_fsdp_cases.run_case``); the next
+two training steps must give the losses of a run that never evaluated.
+"""
+
+import unittest
+
+import expecttest
+import pytest
+import torch
+
+from _fsdp_cases import (
+    Case,
+    build,
+    clone,
+    evaluate,
+    get_optimizer_state_dict,
+    outcome_of,
+    render_outcomes,
+    run_agreed,
+    run_case,
+    set_optimizer_state_dict,
+    tp_mesh_shape,
+    train_step,
+    unpatched_then_patched,
+)
+
+
+pytestmark = pytest.mark.ranks
+
+
+def _mesh(world_size: int, case: Case) -> str:
+    shape, names = tp_mesh_shape(case, world_size)
+    return f"({', '.join(names)})={shape}"
+
+
+def tp_cases(world_size: int) -> dict[str, Case]:
+    """Each TP degree that fits ``world_size``: three evaluations, SP, HSDP, two controls."""
+    degrees = (1, world_size) if world_size == 2 else (world_size // 2,)
+    cases = {}
+    for tp in degrees:
+        mesh = _mesh(world_size, Case(tp=tp))
+        cases[f"{mesh} no_grad"] = Case(tp=tp)
+        cases[f"{mesh} inference_mode"] = Case(tp=tp, inference_mode=True)
+        cases[f"{mesh} unshard"] = Case(tp=tp, unshard=True)
+        cases[f"{mesh} SP"] = Case(tp=tp, sequence_parallel=True)
+        cases[f"{_mesh(world_size, Case(tp=tp, hsdp=True))} no_grad"] = Case(tp=tp, hsdp=True)
+        # Controls: every group resharded after forward; TP without FSDP2.
+        cases[f"{mesh} control: reshard_after_forward=True"] = Case(tp=tp, root=True)
+        cases[f"{mesh} control: TP only"] = Case(tp=tp, fsdp=False)
+    return cases
+
+
+def tp_matrix_worker(cases: dict[str, Case]) -> dict[str, str]:
+    outcomes = unpatched_then_patched(
+        lambda _label: {
+            name: run_case(case, check_losses=True) for name, case in cases.items()
+        }
+    )
+    return {label: render_outcomes(result) for label, result in outcomes.items()}
+
+
+def tp_optimizer_built_after_eval_worker(tps: tuple[int, ...]) -> dict[str, str]:
+    """A new optimizer over the TP model's parameters, before and after an evaluation.
+
+    With SP every parameter is tensor parallel. Built before any forward the
+    optimizer holds the sharded 2-D DTensors, which DSD's zero-grad step()
+    initializes. Built after an evaluation it holds FSDP2's unsharded TP
+    DTensors, whose local tensors' storage the fix's reshard frees.
+    """
+
+    def run(tp: int, after_eval: bool) -> str:
+        model, optims, _ = build(Case(tp=tp, sequence_parallel=True))
+        if after_eval:
+            train_step(model, optims, 0)
+            saved = clone(get_optimizer_state_dict(model, optims))
+            evaluate(model)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        n_params = sum(len(group["params"]) for group in optim.param_groups)
+        try:
+            osd = get_optimizer_state_dict(model, optim)
+        except ValueError as err:
+            get = f"ValueError: {err}"
+        else:
+            get = f"ok, state for {len(osd['state'])} of {n_params} params"
+        if not after_eval:
+            return f"get: {get}"
+        load = outcome_of(lambda: set_optimizer_state_dict(model, optim, clone(saved)))
+        return f"get: {get}\n  set: {load}"
+
+    def render(_label: str) -> str:
+        return "\n".join(
+            f"tp={tp}, built {'after an evaluation' if after_eval else 'before any forward'}: "
+            + run(tp, after_eval)
+            for tp in tps
+            for after_eval in (False, True)
+        )
+
+    return unpatched_then_patched(render)
+
+
+class TensorParallelTest(expecttest.TestCase):
+    def _matrix(self, world_size: int) -> tuple[str, str]:
+        result = run_agreed(world_size, tp_matrix_worker, tp_cases(world_size))
+        return result["unpatched"], result["patched"]
+
+    def _assert_controls_unchanged(self, before: str, after: str) -> None:
+        controls = [line for line in before.splitlines() if "control:" in line]
+        self.assertTrue(controls)
+        for line in controls:
+            self.assertIn(line, after.splitlines())
+
+    def test_world_size_2(self) -> None:
+        before, after = self._matrix(2)
+        self.assertExpectedInline(
+            before,
+            """\
+(dp, tp)=(2, 1) no_grad: get_optim -> KeyError: 0
+(dp, tp)=(2, 1) no_grad: set_optim, set_state -> KeyError: <DTensor>
+(dp, tp)=(2, 1) inference_mode: get_optim -> KeyError: 0
+(dp, tp)=(2, 1) inference_mode: set_optim, set_state -> KeyError: <DTensor>
+(dp, tp)=(2, 1) unshard: get_optim -> KeyError: 0
+(dp, tp)=(2, 1) unshard: set_optim, set_state -> KeyError: <DTensor>
+(dp, tp)=(2, 1) SP: get_optim -> KeyError: 0
+(dp, tp)=(2, 1) SP: set_optim, set_state -> KeyError: <DTensor>
+(replicate, shard, tp)=(2, 1, 1) no_grad: get_optim -> KeyError: 0
+(replicate, shard, tp)=(2, 1, 1) no_grad: set_optim, set_state -> KeyError: <DTensor>
+(dp, tp)=(2, 1) control: reshard_after_forward=True: all 6 calls ok
+(dp, tp)=(2, 1) control: TP only: all 6 calls ok
+(dp, tp)=(1, 2) no_grad: get_optim -> KeyError: 0
+(dp, tp)=(1, 2) no_grad: set_optim, set_state -> KeyError: <DTensor>
+(dp, tp)=(1, 2) inference_mode: get_optim -> KeyError: 0
+(dp, tp)=(1, 2) inference_mode: set_optim, set_state -> KeyError: <DTensor>
+(dp, tp)=(1, 2) unshard: get_optim -> KeyError: 0
+(dp, tp)=(1, 2) unshard: set_optim, set_state -> KeyError: <DTensor>
+(dp, tp)=(1, 2) SP: get_optim -> KeyError: 0
+(dp, tp)=(1, 2) SP: set_optim, set_state -> KeyError: <DTensor>
+(replicate, shard, tp)=(1, 1, 2) no_grad: get_optim -> KeyError: 0
+(replicate, shard, tp)=(1, 1, 2) no_grad: set_optim, set_state -> KeyError: <DTensor>
+(dp, tp)=(1, 2) control: reshard_after_forward=True: all 6 calls ok
+(dp, tp)=(1, 2) control: TP only: all 6 calls ok""",
+        )
+        self.assertExpectedInline(
+            after,
+            """\
+(dp, tp)=(2, 1) no_grad: all 6 calls ok
+(dp, tp)=(2, 1) inference_mode: all 6 calls ok
+(dp, tp)=(2, 1) unshard: all 6 calls ok
+(dp, tp)=(2, 1) SP: all 6 calls ok
+(replicate, shard, tp)=(2, 1, 1) no_grad: all 6 calls ok
+(dp, tp)=(2, 1) control: reshard_after_forward=True: all 6 calls ok
+(dp, tp)=(2, 1) control: TP only: all 6 calls ok
+(dp, tp)=(1, 2) no_grad: all 6 calls ok
+(dp, tp)=(1, 2) inference_mode: all 6 calls ok
+(dp, tp)=(1, 2) unshard: all 6 calls ok
+(dp, tp)=(1, 2) SP: all 6 calls ok
+(replicate, shard, tp)=(1, 1, 2) no_grad: all 6 calls ok
+(dp, tp)=(1, 2) control: reshard_after_forward=True: all 6 calls ok
+(dp, tp)=(1, 2) control: TP only: all 6 calls ok""",
+        )
+        self._assert_controls_unchanged(before, after)
+
+    def test_world_size_4(self) -> None:
+        before, after = self._matrix(4)
+        self.assertExpectedInline(
+            before,
+            """\
+(dp, tp)=(2, 2) no_grad: get_optim -> KeyError: 0
+(dp, tp)=(2, 2) no_grad: set_optim, set_state -> KeyError: <DTensor>
+(dp, tp)=(2, 2) inference_mode: get_optim -> KeyError: 0
+(dp, tp)=(2, 2) inference_mode: set_optim, set_state -> KeyError: <DTensor>
+(dp, tp)=(2, 2) unshard: get_optim -> KeyError: 0
+(dp, tp)=(2, 2) unshard: set_optim, set_state -> KeyError: <DTensor>
+(dp, tp)=(2, 2) SP: get_optim -> KeyError: 0
+(dp, tp)=(2, 2) SP: set_optim, set_state -> KeyError: <DTensor>
+(replicate, shard, tp)=(2, 1, 2) no_grad: get_optim -> KeyError: 0
+(replicate, shard, tp)=(2, 1, 2) no_grad: set_optim, set_state -> KeyError: <DTensor>
+(dp, tp)=(2, 2) control: reshard_after_forward=True: all 6 calls ok
+(dp, tp)=(2, 2) control: TP only: all 6 calls ok""",
+        )
+        self.assertExpectedInline(
+            after,
+            """\
+(dp, tp)=(2, 2) no_grad: all 6 calls ok
+(dp, tp)=(2, 2) inference_mode: all 6 calls ok
+(dp, tp)=(2, 2) unshard: all 6 calls ok
+(dp, tp)=(2, 2) SP: all 6 calls ok
+(replicate, shard, tp)=(2, 1, 2) no_grad: all 6 calls ok
+(dp, tp)=(2, 2) control: reshard_after_forward=True: all 6 calls ok
+(dp, tp)=(2, 2) control: TP only: all 6 calls ok""",
+        )
+        self._assert_controls_unchanged(before, after)
+
+    def test_optimizer_built_after_an_evaluation(self) -> None:
+        result = run_agreed(2, tp_optimizer_built_after_eval_worker, (1, 2))
+        self.assertExpectedInline(
+            result["unpatched"],
+            """\
+tp=1, built before any forward: get: ok, state for 12 of 12 params
+tp=1, built after an evaluation: get: ok, state for 12 of 12 params
+  set: ok
+tp=2, built before any forward: get: ok, state for 12 of 12 params
+tp=2, built after an evaluation: get: ok, state for 12 of 12 params
+  set: ok""",
+        )
+        self.assertExpectedInline(
+            result["patched"],
+            """\
+tp=1, built before any forward: get: ok, state for 12 of 12 params
+tp=1, built after an evaluation: get: ValueError: Adam param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
+  set: ValueError: Adam param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
+tp=2, built before any forward: get: ok, state for 12 of 12 params
+tp=2, built after an evaluation: get: ValueError: Adam param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
+  set: ValueError: Adam param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().""",
+        )
+
+
+if __name__ == "__main__":
+    unittest.main()
