@@ -147,6 +147,37 @@ def wrapping(rng: random.Random, shape: dict[str, Any], world_size: int) -> dict
     }
 
 
+def tensor_parallel(
+    rng: random.Random, shape: dict[str, Any], wrap: dict[str, Any], world_size: int
+) -> dict[str, Any] | None:
+    """Tensor parallelism over a last mesh dimension, or None.
+
+    Colwise/rowwise on every block's two linears and, with sequence
+    parallelism, rowwise on the embedding, SP on the norm and colwise on the
+    head, as torchtitan plans. Drawn from a stream of its own: a configuration
+    keeps its other dimensions whether it gets TP or not. FSDP2 shards over the
+    mesh's other dimensions, which ``wrap["mesh"]`` then names.
+    """
+    if wrap["root"]["kind"] == "replicate" or rng.random() >= 0.3:
+        return None
+    degree = rng.choice([d for d in (1, 2, 4) if world_size % d == 0])
+    # SP shards the sequence (6 tokens) and gives the head a DTensor input:
+    # no tied head, no adapter reading the norm's output.
+    sequence_parallel = (
+        shape["input"] == "embedding"
+        and not shape["tied"]
+        and not shape["lora"]
+        and 6 % degree == 0
+        and rng.random() < 0.5
+    )
+    dp = world_size // degree
+    if len(wrap["mesh"]) == 2 and dp % 2 == 0:
+        wrap["mesh"] = [2, dp // 2]  # HSDP + TP: a 3-D mesh
+    else:
+        wrap["mesh"] = [dp]
+    return {"degree": degree, "sequence_parallel": sequence_parallel}
+
+
 def optimizers(rng: random.Random, shape: dict[str, Any]) -> dict[str, Any]:
     """One or two optimizers (the second owns the head), kinds, param groups, build time."""
     split = rng.random() < 0.35
@@ -289,6 +320,7 @@ def make_config(seed: int, index: int, world_size: int) -> Config:
     rng = random.Random(f"{seed}:{index}")
     shape = model_shape(rng)
     wrap = wrapping(rng, shape, world_size)
+    wrap["tp"] = tensor_parallel(random.Random(f"{seed}:{index}:tp"), shape, wrap, world_size)
     optim = optimizers(rng, shape)
     return {
         "seed": seed,

@@ -197,21 +197,27 @@ def _build_model(shape: dict[str, Any]):
     return model, Abort
 
 
-def _mesh(shape: list[int]):
-    """A device mesh of ``shape``, cached: each new one makes process groups."""
+def _mesh(shape: list[int], tp: int = 0):
+    """The FSDP mesh of ``shape`` (and a TP dimension of ``tp`` ranks), cached.
+
+    Each new mesh makes process groups. Returns (FSDP mesh, TP mesh or None).
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    key = tuple(shape)
+    key = (*shape, tp)
     if key not in _MESHES:
         names = ("dp",) if len(shape) == 1 else ("replicate", "shard")
-        mesh = init_device_mesh("cpu", key, mesh_dim_names=names)
-        for dim in range(len(shape)):
+        full_shape, full_names = tuple(shape), names
+        if tp:
+            full_shape, full_names = (*shape, tp), (*names, "tp")
+        mesh = init_device_mesh("cpu", full_shape, mesh_dim_names=full_names)
+        for dim in range(len(full_shape)):
             _set_timeout(mesh.get_group(dim))
-        _MESHES[key] = mesh
+        _MESHES[key] = (mesh[names], mesh["tp"]) if tp else (mesh, None)
     return _MESHES[key]
 
 
-_MESHES: dict[tuple[int, ...], Any] = {}
+_MESHES: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
 
 def _set_timeout(group=None) -> None:
@@ -239,7 +245,10 @@ def _wrap(model, wrap: dict[str, Any]) -> list[Any]:
         fully_shard,
     )
 
-    mesh = _mesh(wrap["mesh"])
+    tp = wrap.get("tp")
+    mesh, tp_mesh = _mesh(wrap["mesh"], tp["degree"] if tp else 0)
+    if tp:
+        _tensor_parallelize(model, tp_mesh, tp["sequence_parallel"])
     kwargs: dict[str, Any] = {"mesh": mesh}
     if wrap["mixed_precision"]:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -271,6 +280,29 @@ def _wrap(model, wrap: dict[str, Any]) -> list[Any]:
         fully_shard(model, reshard_after_forward=reshard(root["reshard"]), **kwargs)
         firsts.append(model)
     return firsts
+
+
+def _tensor_parallelize(model, tp_mesh, sequence_parallel: bool) -> None:
+    """fuzz_configs.tensor_parallel's plan, applied before fully_shard."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    layout = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {}
+    if sequence_parallel:
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=layout)
+        plan["norm"] = SequenceParallel()
+        plan["head"] = ColwiseParallel(input_layouts=layout, output_layouts=Replicate())
+    for path, module in model.named_modules():
+        if type(module).__name__ == "Block":
+            plan[f"{path}.lin1"] = ColwiseParallel(input_layouts=layout)
+            plan[f"{path}.lin2"] = RowwiseParallel(output_layouts=layout)
+    parallelize_module(model, tp_mesh, plan)
 
 
 def _build_optims(model, spec: dict[str, Any]) -> list[Any]:
