@@ -19,6 +19,7 @@ Exit status:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import textwrap
@@ -256,6 +257,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # Parsed before torch is imported, so --help and usage errors answer at once.
     _parser().parse_args(argv)
+    if importlib.util.find_spec("torch") is None:
+        _progress(
+            f"this Python ({sys.executable}) has no torch: install torch "
+            f"{backport._supported_range()} first (e.g. pip install torch), then run "
+            "python -m backport again"
+        )
+        return 1
     _progress(
         f"starting {WORLD_SIZE} CPU processes (gloo) for the check (backport "
         f"{backport.__version__}), 10 s to a minute..."

@@ -131,6 +131,18 @@ exit status:
   2  usage error
 """)
 
+    def test_without_torch(self) -> None:
+        """A Python without torch gets one line saying what to install, and exit status 1."""
+        # -S: no site-packages, so this Python cannot import torch; PYTHONPATH
+        # still finds the backport.
+        root = str(Path(backport.__file__).parent.parent)
+        proc = _python_m_backport("-S", "-m", "backport", env={**os.environ, "PYTHONPATH": root})
+        self.assertEqual(proc.returncode, 1)
+        self.assertEqual(proc.stdout, "")
+        self.assertExpectedInline(proc.stderr.replace(sys.executable, "<python>"), """\
+backport: this Python (<python>) has no torch: install torch 2.7 to 2.15 first (e.g. pip install torch), then run python -m backport again
+""")
+
     def test_usage_error(self) -> None:
         """An unknown argument is a usage error (exit status 2), with no check run."""
         proc = _python_m_backport("-X", "importtime", "-m", "backport", "--world-size=4")
