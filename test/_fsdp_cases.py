@@ -1,6 +1,6 @@
 """FSDP2 models, evaluation scenarios and renderings shared by the multi-process tests.
 
-Everything here runs inside a rank started by ``backport._launch.run_ranks``.
+Everything here runs inside a rank started by ``_ranks.run_ranks`` (test/_ranks.py).
 """
 
 from __future__ import annotations
@@ -490,7 +490,7 @@ def render_outcomes(results: dict[str, dict[str, str]]) -> str:
 
 def run_agreed(world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on ``world_size`` ranks; every rank's result must equal rank 0's."""
-    from backport._launch import run_ranks
+    from _ranks import run_ranks
 
     results = run_ranks(world_size, fn, *args)
     for rank, result in enumerate(results):

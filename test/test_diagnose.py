@@ -131,6 +131,17 @@ exit status:
   2  usage error
 """)
 
+    def test_a_check_that_cannot_run(self) -> None:
+        """A rank that fails (here gloo, on a network interface that does not exist): exit status 1."""
+        proc = _python_m_backport(
+            "-m", "backport", env={**os.environ, "GLOO_SOCKET_IFNAME": "nonexistent0"}
+        )
+        self.assertEqual(proc.returncode, 1)
+        self.assertEqual(proc.stdout, "")
+        self.assertIn("\nbackport: the check could not run:\n", proc.stderr)
+        # The launcher's report names the rank's error.
+        self.assertIn("Unable to find address for: nonexistent0", proc.stderr)
+
     def test_without_torch(self) -> None:
         """A Python without torch gets one line saying what to install, and exit status 1."""
         # -S: no site-packages, so this Python cannot import torch; PYTHONPATH

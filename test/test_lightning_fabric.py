@@ -1,7 +1,7 @@
 """Lightning Fabric 2.6.6 (ModelParallelStrategy, FSDP2): save and load after an evaluation, 2 ranks.
 
 Fabric's own ``fabric.save`` / ``fabric.load`` run unchanged. What CPU needs: ``accelerator="cpu"``
-(Fabric then picks gloo), and the ranks come from ``backport._launch.run_ranks`` with torchrun's
+(Fabric then picks gloo), and the ranks come from ``_ranks.run_ranks`` (test/_ranks.py) with torchrun's
 environment, so ``fabric.launch()`` joins that process group instead of spawning processes.
 """
 
@@ -30,7 +30,7 @@ from _fsdp_cases import (
     perturb,
     unpatched_then_patched,
 )
-from backport._launch import run_ranks
+from _ranks import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]

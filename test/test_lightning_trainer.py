@@ -1,7 +1,7 @@
 """Lightning Trainer 2.6.6 (ModelParallelStrategy, FSDP2): fit with validation and ModelCheckpoint, then resume.
 
 The Trainer's own checkpointing runs unchanged. What CPU needs: ``accelerator="cpu"`` (gloo), and
-the ranks come from ``backport._launch.run_ranks`` with torchrun's environment, so the Trainer
+the ranks come from ``_ranks.run_ranks`` (test/_ranks.py) with torchrun's environment, so the Trainer
 joins that process group instead of spawning processes.
 """
 
@@ -29,7 +29,7 @@ from _fsdp_cases import (
     outcome_of,
     unpatched_then_patched,
 )
-from backport._launch import run_ranks
+from _ranks import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]

@@ -4,7 +4,7 @@ torchtitan's own ``CheckpointManager``, ``ModelWrapper`` and ``OptimizersContain
 ``get_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True``) run unchanged. What CPU
 needs: the device mesh is built with ``init_device_mesh("cpu", ...)`` and the model sharded with
 plain ``fully_shard`` instead of torchtitan's ``parallelize`` functions (which expect GPUs); the
-ranks come from ``backport._launch.run_ranks``. ``import torchtitan`` needs ``triton`` installed.
+ranks come from ``_ranks.run_ranks`` (test/_ranks.py). ``import torchtitan`` needs ``triton`` installed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from _fsdp_cases import (
     perturb,
     unpatched_then_patched,
 )
-from backport._launch import run_ranks
+from _ranks import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]

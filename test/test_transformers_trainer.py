@@ -3,7 +3,7 @@
 The Trainer's own evaluation, checkpointing and ``resume_from_checkpoint`` run unchanged. What CPU
 needs: ``use_cpu=True`` (gloo); accelerate turns FSDP on only for accelerator devices, so a
 Trainer subclass sets the FSDP2 distributed state that accelerate would set on GPUs right after
-the Trainer builds its Accelerator; the ranks come from ``backport._launch.run_ranks``.
+the Trainer builds its Accelerator; the ranks come from ``_ranks.run_ranks`` (test/_ranks.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from _fsdp_cases import (
     outcome_of,
     unpatched_then_patched,
 )
-from backport._launch import run_ranks
+from _ranks import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.torch27, pytest.mark.fresh_ranks]
