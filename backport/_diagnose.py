@@ -1,7 +1,7 @@
 """Check whether the installed torch has the FSDP2 evaluation checkpoint bug, and
 whether backport.apply() fixes it.
 
-Runs a small FSDP2 job in 2 CPU processes (gloo; no GPU needed; 10 s to a
+Runs a small FSDP2 job in 2 CPU processes (gloo; no GPU needed; under a
 minute): one training step, an evaluation forward under torch.no_grad(), then
 get_optimizer_state_dict and set_optimizer_state_dict. Once on torch as
 installed, once after backport.apply() in those 2 processes only: nothing is
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _progress(
         f"starting {WORLD_SIZE} CPU processes (gloo) for the check (backport "
-        f"{backport.__version__}), 10 s to a minute..."
+        f"{backport.__version__}), under a minute..."
     )
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

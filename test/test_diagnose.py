@@ -76,7 +76,7 @@ and call its apply() the same way:
         # One line per stage while it runs; gloo's own log (torch 2.10) is not one.
         progress = [line for line in proc.stderr.splitlines() if line.startswith("backport:")]
         self.assertExpectedInline(_render("\n".join(progress)), """\
-backport: starting 2 CPU processes (gloo) for the check (backport <version>), 10 s to a minute...
+backport: starting 2 CPU processes (gloo) for the check (backport <version>), under a minute...
 backport: checking torch <torch> as installed...
 backport: checking again with backport.apply() in these processes...""")
 
@@ -113,7 +113,7 @@ usage: python -m backport [-h]
 Check whether the installed torch has the FSDP2 evaluation checkpoint bug, and
 whether backport.apply() fixes it.
 
-Runs a small FSDP2 job in 2 CPU processes (gloo; no GPU needed; 10 s to a
+Runs a small FSDP2 job in 2 CPU processes (gloo; no GPU needed; under a
 minute): one training step, an evaluation forward under torch.no_grad(), then
 get_optimizer_state_dict and set_optimizer_state_dict. Once on torch as
 installed, once after backport.apply() in those 2 processes only: nothing is
