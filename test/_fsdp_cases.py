@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only
 
 import backport
 
@@ -243,27 +245,14 @@ def evaluate(model, case: Case = Case()) -> None:
 
 
 def clone(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: clone(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(clone(v) for v in tree)
-    return tree
+    """``tree`` with every tensor detached and copied: a state dict shares storage with its source."""
+    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)
 
 
-def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(flat(value, f"{prefix}/{key}"))
-        return out
-    if isinstance(tree, (list, tuple)):
-        out = {}
-        for idx, value in enumerate(tree):
-            out.update(flat(value, f"{prefix}[{idx}]"))
-        return out
-    return {prefix: tree}
+def flat(tree: Any) -> dict[str, Any]:
+    """Every leaf of ``tree`` by its path (``['state'][0]['exp_avg']``), None included."""
+    leaves, _ = tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+    return {keystr(path): leaf for path, leaf in leaves}
 
 
 def count_tensors(tree: Any) -> int:
@@ -401,11 +390,50 @@ CALLS: dict[str, Callable] = {
 }
 
 
-def describe_error(err: BaseException) -> str:
-    """Exception type and a message with tensor printouts replaced by their type."""
+def describe_error(err: BaseException, *, first_line: bool = False) -> str:
+    """The one rendering of an exception that the tests pin: its type and message.
+
+    A tensor the error carries (torch's ``KeyError(param)``) is shown by its type,
+    ``KeyError: <DTensor>``, and object addresses as ``0x?``, so the text is the
+    same on every run and rank.
+    """
     if isinstance(err, KeyError) and err.args and isinstance(err.args[0], torch.Tensor):
         return f"KeyError: <{type(err.args[0]).__name__}>"
-    return f"{type(err).__name__}: {err}"
+    text = re.sub(r"0x[0-9a-f]+", "0x?", str(err))
+    if first_line:
+        text = text.split("\n")[0]
+    return f"{type(err).__name__}: {text}"
+
+
+def outcomes(text: str, sep: str = ": ") -> dict[str, str]:
+    """``step<sep>outcome`` lines as {step: outcome}."""
+    return dict(line.split(sep, 1) for line in text.splitlines())
+
+
+def before_after(stock: str, fixed: str, sep: str = ": ") -> dict[str, str]:
+    """{step: "stock -> fixed"} from two renderings, or the one outcome where both agree."""
+    before, after = outcomes(stock, sep), outcomes(fixed, sep)
+    return {
+        step: before.get(step, "-") if before.get(step) == after.get(step)
+        else f"{before.get(step, '-')} -> {after.get(step, '-')}"
+        for step in dict.fromkeys([*before, *after])
+    }
+
+
+def side_by_side(columns: dict[str, dict[str, str]], corner: str = "") -> str:
+    """One table: a row per step (in first-seen order), a column per case; "-" where absent.
+
+    Cases that differ only in data render as one literal to pin, not one each.
+    """
+    steps = list(dict.fromkeys(step for column in columns.values() for step in column))
+    rows = [[corner, *columns]] + [
+        [step, *(column.get(step, "-") for column in columns.values())] for step in steps
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        " | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+        for row in rows
+    )
 
 
 def losses_after(model, optims, steps: tuple[int, ...] = (1, 2)) -> list[float]:
@@ -424,7 +452,7 @@ def outcome_of(call: Callable[[], Any]) -> str:
     try:
         call()
     except Exception as err:  # noqa: BLE001 - the outcome is what we render
-        return describe_error(err).split("\n")[0]
+        return describe_error(err, first_line=True)
     return "ok"
 
 
@@ -462,7 +490,7 @@ def run_case(
         try:
             diffs = call(model, optims, options, ref)
         except Exception as err:  # noqa: BLE001 - the outcome is what we render
-            outcomes[call_name] = describe_error(err).split("\n")[0]
+            outcomes[call_name] = describe_error(err, first_line=True)
             continue
         if diffs:
             outcomes[call_name] = f"differs at {diffs[:3]}"

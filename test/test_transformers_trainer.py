@@ -145,7 +145,7 @@ def trainer_worker(output_dir: str) -> dict[str, str]:
         try:
             trainer.train(resume_from_checkpoint=str(run_dir / "checkpoint-2"))
         except Exception as err:  # noqa: BLE001 - the outcome is what we render
-            lines.append(f"resume_from_checkpoint -> {describe_error(err).splitlines()[0]}")
+            lines.append(f"resume_from_checkpoint -> {describe_error(err, first_line=True)}")
         else:
             diffs = differences(restored["optim"], probe.saved_optim)
             lines.append(
