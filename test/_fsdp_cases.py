@@ -537,6 +537,13 @@ def unpatched_then_patched(run: Callable[[str], Any]) -> dict[str, Any]:
     return results
 
 
+def render_before_after(result: dict[str, str], sep: str = ": ") -> str:
+    """``unpatched_then_patched``'s two renderings as one table: "stock -> patched" per step."""
+    return side_by_side(
+        {"stock -> backport applied": before_after(result["unpatched"], result["patched"], sep)}
+    )
+
+
 def matrix_worker(include_replicate: bool) -> dict[str, str]:
     """Run every case without and then with the backport; return the renderings."""
     cases = dict(CASES)

@@ -28,9 +28,10 @@ from _fsdp_cases import (
     get_optimizer_state_dict,
     outcome_of,
     perturb,
+    render_before_after,
+    run_agreed,
     unpatched_then_patched,
 )
-from _ranks import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
@@ -125,24 +126,17 @@ def fabric_worker(checkpoint_dir: str) -> dict[str, str]:
 class LightningFabricTest(expecttest.TestCase):
     def test_save_and_load_after_evaluation(self) -> None:
         with tempfile.TemporaryDirectory() as checkpoint_dir:
-            results = run_ranks(2, fabric_worker, checkpoint_dir)
-        self.assertEqual(results[0], results[1])
-        self.assertExpectedInline(results[0]["unpatched"], """\
-sharded {optimizer, model}: save after eval -> KeyError: 0
-sharded {model, optimizer}: save after eval -> ok
-sharded {model, optimizer}: load after eval -> restored exactly
-full {optimizer, model}: save after eval -> KeyError: 0
-full {model, optimizer}: save after eval -> ok
-full {model, optimizer}: load after eval -> RuntimeError: Error(s) in loading state_dict for Embedding:""")
-        self.assertExpectedInline(results[0]["patched"], """\
-sharded {optimizer, model}: save after eval -> ok
-sharded {optimizer, model}: load after eval -> restored exactly
-sharded {model, optimizer}: save after eval -> ok
-sharded {model, optimizer}: load after eval -> restored exactly
-full {optimizer, model}: save after eval -> ok
-full {optimizer, model}: load after eval -> restored exactly
-full {model, optimizer}: save after eval -> ok
-full {model, optimizer}: load after eval -> restored exactly""")
+            result = run_agreed(2, fabric_worker, checkpoint_dir)
+        self.assertExpectedInline(render_before_after(result, " -> "), """\
+                                            | stock -> backport applied
+sharded {optimizer, model}: save after eval | KeyError: 0 -> ok
+sharded {model, optimizer}: save after eval | ok
+sharded {model, optimizer}: load after eval | restored exactly
+full {optimizer, model}: save after eval    | KeyError: 0 -> ok
+full {model, optimizer}: save after eval    | ok
+full {model, optimizer}: load after eval    | RuntimeError: Error(s) in loading state_dict for Embedding: -> restored exactly
+sharded {optimizer, model}: load after eval | - -> restored exactly
+full {optimizer, model}: load after eval    | - -> restored exactly""")
 
 
 if __name__ == "__main__":

@@ -27,9 +27,10 @@ from _fsdp_cases import (
     differences,
     get_optimizer_state_dict,
     outcome_of,
+    render_before_after,
+    run_agreed,
     unpatched_then_patched,
 )
-from _ranks import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
@@ -154,18 +155,14 @@ def trainer_worker(checkpoint_dir: str) -> dict[str, str]:
 class LightningTrainerTest(expecttest.TestCase):
     def test_fit_validate_checkpoint_resume(self) -> None:
         with tempfile.TemporaryDirectory() as checkpoint_dir:
-            results = run_ranks(2, trainer_worker, checkpoint_dir)
-        self.assertEqual(results[0], results[1])
+            result = run_agreed(2, trainer_worker, checkpoint_dir)
         # The Trainer saves the model state first, whose state_dict() hooks
         # reshard; a bare optimizer state dict at the same moment fails.
-        self.assertExpectedInline(results[0]["unpatched"], """\
-fit with validation and ModelCheckpoint -> ok
-get_optimizer_state_dict after validation -> KeyError: 0
-resume from last.ckpt -> optimizer state restored exactly""")
-        self.assertExpectedInline(results[0]["patched"], """\
-fit with validation and ModelCheckpoint -> ok
-get_optimizer_state_dict after validation -> ok
-resume from last.ckpt -> optimizer state restored exactly""")
+        self.assertExpectedInline(render_before_after(result, " -> "), """\
+                                          | stock -> backport applied
+fit with validation and ModelCheckpoint   | ok
+get_optimizer_state_dict after validation | KeyError: 0 -> ok
+resume from last.ckpt                     | optimizer state restored exactly""")
 
 
 if __name__ == "__main__":
