@@ -36,7 +36,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only
+from torch.utils._pytree import SequenceKey, tree_flatten_with_path, tree_map_only
 
 import backport
 
@@ -249,10 +249,21 @@ def clone(tree: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)
 
 
+def _path_part(key: Any) -> str:
+    # The spelling the pinned outputs use: /dict_key, [list_index].
+    if isinstance(key, SequenceKey):
+        return f"[{key.idx}]"
+    return f"/{getattr(key, 'key', getattr(key, 'name', key))}"
+
+
 def flat(tree: Any) -> dict[str, Any]:
-    """Every leaf of ``tree`` by its path (``['state'][0]['exp_avg']``), None included."""
+    """Every leaf of ``tree`` by its path (``/state/0/exp_avg``, ``/param_groups[0]``), None included."""
     leaves, _ = tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
-    return {keystr(path): leaf for path, leaf in leaves}
+    return {
+        "".join(_path_part(key) for key in path):
+        leaf
+        for path, leaf in leaves
+    }
 
 
 def count_tensors(tree: Any) -> int:
