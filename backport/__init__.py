@@ -85,7 +85,8 @@ _SUPPORTED = ((2, 7), (2, 15))
 # Breakpoint: no torch release contains the fix yet. In a torch carrying it (a
 # release, or one with torch_patch/ applied) _verify_options calls this helper.
 _FIX_ARTIFACT = "_reshard_fsdp2_modules"
-# Set on the wrapper installed in torch, so every vendored copy agrees.
+# Set on each wrapper installed in torch, naming that wrapper: every vendored
+# copy recognises the installed wrappers by identity, not by a copied attribute.
 _MARKER = "_fsdp2_eval_reshard_backport"
 _PARAMS = "params"
 
@@ -434,13 +435,30 @@ _WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
 
 def _make_wrapper(name: str, original: Callable) -> Callable:
     wrapper = _WRAPPERS[name](original)
-    setattr(wrapper, _MARKER, __version__)
+    # The marker names the wrapper it is set on: functools.wraps copies
+    # __dict__, so a wrapper that something else puts over this one carries
+    # the marker too, but naming this one, not itself.
+    setattr(wrapper, _MARKER, (__version__, wrapper))
     return wrapper
 
 
 def _applied_version(obj: object) -> str | None:
     """The backport version that made the wrapper ``obj``, or None for anything else."""
-    return getattr(obj, _MARKER, None)
+    mark = getattr(obj, _MARKER, None)
+    if isinstance(mark, tuple) and len(mark) == 2 and mark[1] is obj:
+        return mark[0]
+    return None
+
+
+def _backport_wrapper_in(obj: object) -> Callable | None:
+    """This backport's wrapper: ``obj``, or one ``obj`` wraps (``__wrapped__``), or None."""
+    seen = set()
+    while obj is not None and id(obj) not in seen:
+        if _applied_version(obj) is not None:
+            return obj
+        seen.add(id(obj))
+        obj = getattr(obj, "__wrapped__", None)
+    return None
 
 
 def _torch_release(version: str) -> tuple[int, int] | None:
@@ -521,7 +539,7 @@ def apply() -> str:
         if reason is None:
             for name in _WRAPPERS:
                 current = getattr(module, name)
-                if _applied_version(current) is None:
+                if _backport_wrapper_in(current) is None:
                     setattr(module, name, _make_wrapper(name, current))
     if reason is not None:
         warnings.warn(f"backport.apply() did nothing: {reason}.", BackportWarning, stacklevel=2)
@@ -532,7 +550,8 @@ def revert() -> str:
     """Restore the original functions. Returns the ``status()`` line.
 
     Leaves an attribute alone, with a BackportWarning, when something else has
-    wrapped this backport's wrapper there since.
+    wrapped this backport's wrapper there since (``status()`` then still says
+    applied: calls go through the backport's wrapper below it).
     """
     _, module = _target_module()
     with _lock:
@@ -540,7 +559,7 @@ def revert() -> str:
             current = getattr(module, name, None)
             if _applied_version(current) is not None:
                 setattr(module, name, current.__wrapped__)
-            elif _applied_version(getattr(current, "__wrapped__", None)) is not None:
+            elif _backport_wrapper_in(current) is not None:
                 warnings.warn(
                     f"{_TARGET_MODULE}.{name} is wrapped by something other "
                     "than this backport; it was left as it is. Revert that patch first.",
@@ -550,29 +569,41 @@ def revert() -> str:
     return status()
 
 
+def _wrapped(module: ModuleType) -> dict[str, Callable]:
+    """Name -> this backport's wrapper, for each function where calls go through it."""
+    found = {name: _backport_wrapper_in(getattr(module, name, None)) for name in _WRAPPERS}
+    return {name: wrapper for name, wrapper in found.items() if wrapper is not None}
+
+
 def is_applied() -> bool:
-    """Whether this backport's wrapper is installed in torch now."""
+    """Whether calls to every function the backport wraps go through its wrapper now."""
     _, module = _target_module()
-    return _applied_version(getattr(module, _TARGET_NAME, None)) is not None
+    return len(_wrapped(module)) == len(_WRAPPERS)
 
 
 def get_original() -> Any:
-    """The unpatched ``_verify_options`` (the live one when nothing is applied)."""
+    """The unpatched ``_verify_options`` (the live one when the backport is not in it)."""
     _, module = _target_module()
     current = getattr(module, _TARGET_NAME)
-    if _applied_version(current) is not None:
-        return current.__wrapped__
-    return current
+    wrapper = _backport_wrapper_in(current)
+    return current if wrapper is None else wrapper.__wrapped__
 
 
 def status() -> str:
-    """One line: ``applied``, ``not applied``, ``not needed`` or ``unsupported``."""
+    """One line: ``applied``, ``partly applied``, ``not applied``, ``not needed``, ``unsupported``."""
     torch, module = _target_module()
     where = f"{_TARGET_MODULE}.{_TARGET_NAME}"
-    current = getattr(module, _TARGET_NAME, None)
-    applied_version = _applied_version(current)
-    if applied_version is not None:
-        return f"applied: torch {torch.__version__}, {where} wrapped (backport {applied_version})"
+    wrapped = _wrapped(module)
+    if len(wrapped) == len(_WRAPPERS):
+        version = _applied_version(wrapped[_TARGET_NAME])
+        return f"applied: torch {torch.__version__}, {where} wrapped (backport {version})"
+    if wrapped:
+        missing = [name for name in _WRAPPERS if name not in wrapped]
+        return (
+            f"partly applied: torch {torch.__version__}, {_TARGET_MODULE} has "
+            f"{', '.join(wrapped)} wrapped but not {', '.join(missing)}; call "
+            f"backport.apply() to wrap all {len(_WRAPPERS)}, or backport.revert()"
+        )
     try:
         reason = _check_support(torch.__version__, module)
     except UnsupportedTorchError as err:

@@ -1,7 +1,7 @@
 """Check whether the installed torch has the FSDP2 evaluation checkpoint bug, and
 whether backport.apply() fixes it.
 
-Runs a small FSDP2 job in 2 CPU processes (gloo; no GPU needed; 10 s to a
+Runs a small FSDP2 job in 2 CPU processes (gloo; no GPU needed; under a
 minute): one training step, an evaluation forward under torch.no_grad(), then
 get_optimizer_state_dict and set_optimizer_state_dict. Once on torch as
 installed, once after backport.apply() in those 2 processes only: nothing is
@@ -19,16 +19,23 @@ Exit status:
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import gc
+import importlib.util
 import os
 import sys
 import textwrap
+import uuid
 import warnings
+from datetime import timedelta
 
 import backport
-from backport._launch import RankError, run_ranks
 
 
 WORLD_SIZE = 2
+# One failing rank must fail the check, not leave its peer in a collective
+# until gloo's default 30 minute timeout.
+_PG_TIMEOUT = timedelta(seconds=90)
 _OK = "ok"
 # (row label, key in a scenario's outcome)
 _STEPS = (
@@ -38,8 +45,8 @@ _STEPS = (
 
 
 def _progress(line: str) -> None:
-    # stderr: the ranks' stdout goes there too (backport._launch), and the
-    # report on stdout stays clean when redirected.
+    # stderr: the ranks' stdout goes there too (_rank), and the report on
+    # stdout stays clean when redirected.
     print(f"backport: {line}", file=sys.stderr, flush=True)
 
 
@@ -158,6 +165,46 @@ def _worker() -> dict[str, object]:
     return result
 
 
+def _rank() -> dict[str, object]:
+    """One rank of the check, as torch's launcher starts it (torchrun's environment)."""
+    import torch
+    import torch.distributed as dist
+
+    # Native libraries (gloo) log to stdout; keep the parent's stdout for the report.
+    os.dup2(2, 1)
+    # A rank killed by a signal prints its Python stacks, not only its exit code.
+    faulthandler.enable()
+    if "OMP_NUM_THREADS" not in os.environ:
+        # What torchrun does for several ranks on one host.
+        torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=_PG_TIMEOUT)
+    try:
+        return _worker()
+    finally:
+        dist.destroy_process_group()
+        # A gloo group still referenced (FSDP2's mesh info, in reference cycles)
+        # keeps its threads; one that outlives the interpreter's finalization
+        # aborts the rank (c10d_issue/ISSUE.md). Freeing the groups now joins them.
+        gc.collect()
+
+
+def _run_check() -> dict[str, object]:
+    """Rank 0's result of ``_rank`` on ``WORLD_SIZE`` processes started by torch's launcher."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=WORLD_SIZE,
+        run_id=f"backport-check-{uuid.uuid4().hex[:8]}",
+        # The launcher's own store, on a port the OS assigns.
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+    )
+    return elastic_launch(config, _rank)()[0]
+
+
 def _table(without: dict[str, str], with_fix: dict[str, str] | None) -> list[str]:
     width = max(len(label) for label, _ in _STEPS)
     lines = [
@@ -256,13 +303,22 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # Parsed before torch is imported, so --help and usage errors answer at once.
     _parser().parse_args(argv)
+    if importlib.util.find_spec("torch") is None:
+        _progress(
+            f"this Python ({sys.executable}) has no torch: install torch "
+            f"{backport._supported_range()} first (e.g. pip install torch), then run "
+            "python -m backport again"
+        )
+        return 1
     _progress(
         f"starting {WORLD_SIZE} CPU processes (gloo) for the check (backport "
-        f"{backport.__version__}), 10 s to a minute..."
+        f"{backport.__version__}), under a minute..."
     )
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
-        result = run_ranks(WORLD_SIZE, _worker)[0]
-    except RankError as err:
+        result = _run_check()
+    except ChildFailedError as err:
         _progress(f"the check could not run:\n{err}")
         return 1
     text, status = _report(result)

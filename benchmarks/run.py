@@ -22,10 +22,12 @@ import time
 from pathlib import Path
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+# The ranks come from the tests' harness, test/_ranks.py.
+sys.path[:0] = [str(ROOT), str(ROOT / "test")]
 
 import backport
-from backport._launch import run_ranks
+from _ranks import run_ranks
 
 
 def _log(msg: str) -> None:

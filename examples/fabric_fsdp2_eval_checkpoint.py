@@ -1,5 +1,8 @@
 """Lightning Fabric + FSDP2 training that evaluates, then checkpoints and resumes.
 
+Needs Lightning Fabric besides torch and the backport (tested with the one in
+pytorch-lightning 2.6.6: ``pip install pytorch-lightning==2.6.6``).
+
     fabric run --devices 2 examples/fabric_fsdp2_eval_checkpoint.py --output-dir /tmp/ckpt
     torchrun --nproc-per-node 2 examples/fabric_fsdp2_eval_checkpoint.py --cpu   # no GPU
 

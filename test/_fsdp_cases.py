@@ -1,12 +1,13 @@
 """FSDP2 models, evaluation scenarios and renderings shared by the multi-process tests.
 
-Everything here runs inside a rank started by ``backport._launch.run_ranks``.
+Everything here runs inside a rank started by ``_ranks.run_ranks`` (test/_ranks.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.utils._pytree import SequenceKey, tree_flatten_with_path, tree_map_only
 
 import backport
 
@@ -291,27 +293,25 @@ def evaluate(model, case: Case = Case()) -> None:
 
 
 def clone(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: clone(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(clone(v) for v in tree)
-    return tree
+    """``tree`` with every tensor detached and copied: a state dict shares storage with its source."""
+    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)
 
 
-def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(flat(value, f"{prefix}/{key}"))
-        return out
-    if isinstance(tree, (list, tuple)):
-        out = {}
-        for idx, value in enumerate(tree):
-            out.update(flat(value, f"{prefix}[{idx}]"))
-        return out
-    return {prefix: tree}
+def _path_part(key: Any) -> str:
+    # The spelling the pinned outputs use: /dict_key, [list_index].
+    if isinstance(key, SequenceKey):
+        return f"[{key.idx}]"
+    return f"/{getattr(key, 'key', getattr(key, 'name', key))}"
+
+
+def flat(tree: Any) -> dict[str, Any]:
+    """Every leaf of ``tree`` by its path (``/state/0/exp_avg``, ``/param_groups[0]``), None included."""
+    leaves, _ = tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+    return {
+        "".join(_path_part(key) for key in path):
+        leaf
+        for path, leaf in leaves
+    }
 
 
 def count_tensors(tree: Any) -> int:
@@ -449,11 +449,50 @@ CALLS: dict[str, Callable] = {
 }
 
 
-def describe_error(err: BaseException) -> str:
-    """Exception type and a message with tensor printouts replaced by their type."""
+def describe_error(err: BaseException, *, first_line: bool = False) -> str:
+    """The one rendering of an exception that the tests pin: its type and message.
+
+    A tensor the error carries (torch's ``KeyError(param)``) is shown by its type,
+    ``KeyError: <DTensor>``, and object addresses as ``0x?``, so the text is the
+    same on every run and rank.
+    """
     if isinstance(err, KeyError) and err.args and isinstance(err.args[0], torch.Tensor):
         return f"KeyError: <{type(err.args[0]).__name__}>"
-    return f"{type(err).__name__}: {err}"
+    text = re.sub(r"0x[0-9a-f]+", "0x?", str(err))
+    if first_line:
+        text = text.split("\n")[0]
+    return f"{type(err).__name__}: {text}"
+
+
+def outcomes(text: str, sep: str = ": ") -> dict[str, str]:
+    """``step<sep>outcome`` lines as {step: outcome}."""
+    return dict(line.split(sep, 1) for line in text.splitlines())
+
+
+def before_after(stock: str, fixed: str, sep: str = ": ") -> dict[str, str]:
+    """{step: "stock -> fixed"} from two renderings, or the one outcome where both agree."""
+    before, after = outcomes(stock, sep), outcomes(fixed, sep)
+    return {
+        step: before.get(step, "-") if before.get(step) == after.get(step)
+        else f"{before.get(step, '-')} -> {after.get(step, '-')}"
+        for step in dict.fromkeys([*before, *after])
+    }
+
+
+def side_by_side(columns: dict[str, dict[str, str]], corner: str = "") -> str:
+    """One table: a row per step (in first-seen order), a column per case; "-" where absent.
+
+    Cases that differ only in data render as one literal to pin, not one each.
+    """
+    steps = list(dict.fromkeys(step for column in columns.values() for step in column))
+    rows = [[corner, *columns]] + [
+        [step, *(column.get(step, "-") for column in columns.values())] for step in steps
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        " | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+        for row in rows
+    )
 
 
 def losses_after(model, optims, steps: tuple[int, ...] = (1, 2)) -> list[float]:
@@ -472,7 +511,7 @@ def outcome_of(call: Callable[[], Any]) -> str:
     try:
         call()
     except Exception as err:  # noqa: BLE001 - the outcome is what we render
-        return describe_error(err).split("\n")[0]
+        return describe_error(err, first_line=True)
     return "ok"
 
 
@@ -510,7 +549,7 @@ def run_case(
         try:
             diffs = call(model, optims, options, ref)
         except Exception as err:  # noqa: BLE001 - the outcome is what we render
-            outcomes[call_name] = describe_error(err).split("\n")[0]
+            outcomes[call_name] = describe_error(err, first_line=True)
             continue
         if diffs:
             outcomes[call_name] = f"differs at {diffs[:3]}"
@@ -538,7 +577,7 @@ def render_outcomes(results: dict[str, dict[str, str]]) -> str:
 
 def run_agreed(world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on ``world_size`` ranks; every rank's result must equal rank 0's."""
-    from backport._launch import run_ranks
+    from _ranks import run_ranks
 
     results = run_ranks(world_size, fn, *args)
     for rank, result in enumerate(results):
@@ -555,6 +594,13 @@ def unpatched_then_patched(run: Callable[[str], Any]) -> dict[str, Any]:
     finally:
         backport.revert()
     return results
+
+
+def render_before_after(result: dict[str, str], sep: str = ": ") -> str:
+    """``unpatched_then_patched``'s two renderings as one table: "stock -> patched" per step."""
+    return side_by_side(
+        {"stock -> backport applied": before_after(result["unpatched"], result["patched"], sep)}
+    )
 
 
 def matrix_worker(include_replicate: bool) -> dict[str, str]:

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from backport._launch import shared_worlds
+from _ranks import shared_worlds
 
 
 # The rank processes import test helpers by module name.
@@ -31,7 +31,7 @@ def one_world_per_class(request):
     """The run_ranks calls of a test class share one world of ranks per world size.
 
     As torch's MultiProcContinuousTest: the ranks start once per class instead
-    of once per call (backport._launch.RankWorld says what is reset between
+    of once per call (test/_ranks.py's RankWorld says what is reset between
     runs). Classes marked fresh_ranks start new ranks for every call.
     """
     fresh = request.cls is None or request.node.get_closest_marker("fresh_ranks")

@@ -749,7 +749,7 @@ def run_configs(
     A run that kills or hangs the world is recorded as {"status": "died"} or
     {"status": "hang"} on every rank, and the rest go on in a fresh world.
     """
-    from backport._launch import RankError, run_ranks
+    from _ranks import RankError, run_ranks
 
     items = [[config, mode] for config in configs for mode in MODES]
     results: dict[tuple[int, int], dict[str, list[dict]]] = {

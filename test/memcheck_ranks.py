@@ -25,7 +25,7 @@ from datetime import timedelta
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-from backport._launch import host_store, rank_env
+from _ranks import host_store, rank_env
 
 
 WORLD_SIZE = 2

@@ -13,8 +13,16 @@ import unittest
 import expecttest
 import pytest
 
-from _fsdp_cases import clone, differences, outcome_of, perturb, unpatched_then_patched
-from backport._launch import run_ranks
+from _fsdp_cases import (
+    before_after,
+    clone,
+    differences,
+    outcome_of,
+    perturb,
+    side_by_side,
+    unpatched_then_patched,
+)
+from _ranks import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.torch27, pytest.mark.fresh_ranks]
@@ -167,56 +175,20 @@ class AccelerateCheckpointAfterEvalTest(expecttest.TestCase):
         self.assertEqual(results[0], results[1])
         return results[0]
 
-    def test_untied_embeddings(self) -> None:
-        result = self._run("untied")
-        self.assertExpectedInline(result["unpatched"], """\
-save_fsdp_optimizer: KeyError: 19
-load_fsdp_optimizer: KeyError: 19
-get_optimizer_state_dict: KeyError: 19
-set_optimizer_state_dict: KeyError: <DTensor>
-Accelerator.save_state: ok
-Accelerator.load_state: ok, restored exactly""")
-        self.assertExpectedInline(result["patched"], """\
-save_fsdp_optimizer: ok
-load_fsdp_optimizer: ok, restored exactly
-get_optimizer_state_dict: equal to the state before eval
-set_optimizer_state_dict: ok, restored exactly
-Accelerator.save_state: ok
-Accelerator.load_state: ok, restored exactly""")
-
-    def test_tied_embeddings(self) -> None:
-        result = self._run("tied")
-        self.assertExpectedInline(result["unpatched"], """\
-save_fsdp_optimizer: KeyError: 0
-load_fsdp_optimizer: KeyError: 0
-get_optimizer_state_dict: KeyError: 0
-set_optimizer_state_dict: KeyError: <DTensor>
-Accelerator.save_state: ok
-Accelerator.load_state: ok, restored exactly""")
-        self.assertExpectedInline(result["patched"], """\
-save_fsdp_optimizer: ok
-load_fsdp_optimizer: ok, restored exactly
-get_optimizer_state_dict: equal to the state before eval
-set_optimizer_state_dict: ok, restored exactly
-Accelerator.save_state: ok
-Accelerator.load_state: ok, restored exactly""")
-
-    def test_peft_lora_with_lm_head(self) -> None:
-        result = self._run("lora")
-        self.assertExpectedInline(result["unpatched"], """\
-save_fsdp_optimizer: KeyError: 8
-load_fsdp_optimizer: KeyError: 8
-get_optimizer_state_dict: KeyError: 8
-set_optimizer_state_dict: KeyError: <DTensor>
-Accelerator.save_state: ok
-Accelerator.load_state: ok, restored exactly""")
-        self.assertExpectedInline(result["patched"], """\
-save_fsdp_optimizer: ok
-load_fsdp_optimizer: ok, restored exactly
-get_optimizer_state_dict: equal to the state before eval
-set_optimizer_state_dict: ok, restored exactly
-Accelerator.save_state: ok
-Accelerator.load_state: ok, restored exactly""")
+    def test_calls_after_eval(self) -> None:
+        """Each accelerate and DSD call right after an evaluation, per model."""
+        columns = {}
+        for variant in ("untied", "tied", "lora"):
+            result = self._run(variant)
+            columns[variant] = before_after(result["unpatched"], result["patched"])
+        self.assertExpectedInline(side_by_side(columns, "stock -> backport applied"), """\
+stock -> backport applied | untied                                         | tied                                          | lora
+save_fsdp_optimizer       | KeyError: 19 -> ok                             | KeyError: 0 -> ok                             | KeyError: 8 -> ok
+load_fsdp_optimizer       | KeyError: 19 -> ok, restored exactly           | KeyError: 0 -> ok, restored exactly           | KeyError: 8 -> ok, restored exactly
+get_optimizer_state_dict  | KeyError: 19 -> equal to the state before eval | KeyError: 0 -> equal to the state before eval | KeyError: 8 -> equal to the state before eval
+set_optimizer_state_dict  | KeyError: <DTensor> -> ok, restored exactly    | KeyError: <DTensor> -> ok, restored exactly   | KeyError: <DTensor> -> ok, restored exactly
+Accelerator.save_state    | ok                                             | ok                                            | ok
+Accelerator.load_state    | ok, restored exactly                           | ok, restored exactly                          | ok, restored exactly""")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """apply() / revert() / status() on the installed torch, in this process."""
 
 import ast
+import functools
 import importlib.util
 import re
 import sys
@@ -163,25 +164,108 @@ _verify_options""")
         _check_revert_restores_everything(self, backport)
 
     def test_revert_leaves_a_foreign_wrapper_alone(self) -> None:
-        backport.apply()
-        ours = dsd._verify_options
+        """Whatever wraps the backport's wrapper stays, with a warning, and status() says so."""
+        for idiom, wrap in FOREIGN_WRAPPERS.items():
+            for name in backport._WRAPPERS:
+                with self.subTest(idiom=idiom, name=name):
+                    backport.apply()
+                    ours = getattr(dsd, name)
+                    foreign = wrap(ours)
+                    setattr(dsd, name, foreign)
+                    try:
+                        # apply() sees its wrapper below the foreign one: no second one.
+                        backport.apply()
+                        self.assertIs(getattr(dsd, name), foreign)
+                        with warnings.catch_warnings(record=True) as caught:
+                            warnings.simplefilter("always")
+                            line = backport.revert()
+                        self.assertIs(getattr(dsd, name), foreign)
+                        self.assertEqual(
+                            [f"{w.category.__name__}: {w.message}" for w in caught],
+                            [
+                                (
+                                    f"BackportWarning: {backport._TARGET_MODULE}.{name} is "
+                                    "wrapped by something other than this backport; it was "
+                                    "left as it is. Revert that patch first."
+                                )
+                            ],
+                        )
+                        # The other three are reverted; calls to this one still go
+                        # through the backport's wrapper below the foreign one.
+                        self.assertTrue(
+                            line.startswith(f"partly applied: torch {torch.__version__}, "
+                                            f"{backport._TARGET_MODULE} has {name} wrapped "),
+                            line,
+                        )
+                        self.assertFalse(backport.is_applied())
+                        self.assertIs(backport.get_original(), self.original)
+                    finally:
+                        setattr(dsd, name, ours)
+                        backport.revert()
+                    self.assertFalse(backport.is_applied())
 
-        def foreign(*args, **kwargs):
-            return ours(*args, **kwargs)
-
-        foreign.__wrapped__ = ours
-        dsd._verify_options = foreign
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+    def test_query_functions_follow_all_four_wrappers(self) -> None:
+        """is_applied(), get_original() and status() see a function restored behind revert()'s back."""
+        for name, original in self.originals.items():
+            with self.subTest(name=name):
+                backport.apply()
+                setattr(dsd, name, original)
+                self.assertFalse(backport.is_applied())
+                self.assertIs(backport.get_original(), self.original)
+                wrapped = ", ".join(n for n in backport._WRAPPERS if n != name)
+                self.assertEqual(
+                    _render(backport.status()),
+                    f"partly applied: torch <torch>, {backport._TARGET_MODULE} has {wrapped} "
+                    f"wrapped but not {name}; call backport.apply() to wrap all 4, or "
+                    "backport.revert()",
+                )
+                # apply() completes a partial state, revert() undoes it all.
+                self.assertTrue(backport.apply().startswith("applied: "))
                 backport.revert()
-            self.assertIs(dsd._verify_options, foreign)
-            self.assertExpectedInline(
-                "\n".join(f"{w.category.__name__}: {w.message}" for w in caught),
-                """BackportWarning: torch.distributed.checkpoint.state_dict._verify_options is wrapped by something other than this backport; it was left as it is. Revert that patch first.""",
-            )
-        finally:
-            dsd._verify_options = ours
+        # Only one wrapped: the line names the three others.
+        backport.apply()
+        for name in ("_verify_options", "_get_optim_state_dict", "_load_optim_state_dict"):
+            setattr(dsd, name, self.originals[name])
+        self.assertIs(backport.get_original(), self.original)
+        self.assertExpectedInline(
+            _render(backport.status()),
+            """partly applied: torch <torch>, torch.distributed.checkpoint.state_dict has _init_optim_state wrapped but not _verify_options, _get_optim_state_dict, _load_optim_state_dict; call backport.apply() to wrap all 4, or backport.revert()""",
+        )
+
+
+class _CallableWrapper:
+    """A wrapper that is an object, not a function, as decorator libraries make."""
+
+    def __init__(self, wrapped) -> None:
+        functools.update_wrapper(self, wrapped)
+
+    def __call__(self, *args, **kwargs):
+        return self.__wrapped__(*args, **kwargs)
+
+
+def _wraps(ours):
+    @functools.wraps(ours)
+    def foreign(*args, **kwargs):
+        return ours(*args, **kwargs)
+
+    return foreign
+
+
+def _wrapped_by_hand(ours):
+    def foreign(*args, **kwargs):
+        return ours(*args, **kwargs)
+
+    foreign.__wrapped__ = ours
+    return foreign
+
+
+# The ways another library wraps a function: functools.wraps copies the
+# wrapper's __dict__, the backport's marker included.
+FOREIGN_WRAPPERS = {
+    "functools.wraps": _wraps,
+    "__wrapped__ set by hand": _wrapped_by_hand,
+    "callable object, functools.update_wrapper": _CallableWrapper,
+}
 
 
 def _one(nodes, what: str):

@@ -18,10 +18,12 @@ from _fsdp_cases import (
     evaluate,
     get_model_state_dict,
     get_optimizer_state_dict,
+    outcomes,
     set_state_dict,
+    side_by_side,
     train_step,
 )
-from backport._launch import run_ranks
+from _ranks import run_ranks
 
 
 pytestmark = pytest.mark.ranks
@@ -58,7 +60,7 @@ def _outcome(fn, *args):
     try:
         fn(*args)
     except Exception as err:  # noqa: BLE001 - the outcome is what we render
-        return describe_error(err).split("\n")[0]
+        return describe_error(err, first_line=True)
     return "ok"
 
 
@@ -125,32 +127,20 @@ class CheckpointRoundtripTest(expecttest.TestCase):
             self.assertEqual(result, results[0], f"rank {rank} disagrees with rank 0")
         return "\n".join(results[0])
 
-    def test_roundtrip_root_unsharded_world_size_2(self) -> None:
-        self.assertExpectedInline(self._roundtrip(2, "root_none"), """\
-unpatched save after eval: KeyError: 0
-unpatched load after eval: KeyError: <DTensor>
-patched optimizer state restored: 36/36 tensors equal
-patched model state restored: 12/12 tensors equal
-losses with checkpoint == never checkpointed: True
-losses after load == losses of the saved run: True""")
-
-    def test_roundtrip_tied_weights_world_size_2(self) -> None:
-        self.assertExpectedInline(self._roundtrip(2, "tied_weights"), """\
-unpatched save after eval: KeyError: 0
-unpatched load after eval: KeyError: <DTensor>
-patched optimizer state restored: 33/33 tensors equal
-patched model state restored: 12/12 tensors equal
-losses with checkpoint == never checkpointed: True
-losses after load == losses of the saved run: True""")
-
-    def test_roundtrip_hsdp_world_size_4(self) -> None:
-        self.assertExpectedInline(self._roundtrip(4, "hsdp"), """\
-unpatched save after eval: KeyError: 0
-unpatched load after eval: KeyError: <DTensor>
-patched optimizer state restored: 36/36 tensors equal
-patched model state restored: 12/12 tensors equal
-losses with checkpoint == never checkpointed: True
-losses after load == losses of the saved run: True""")
+    def test_roundtrip(self) -> None:
+        """Save after an evaluation, load into a fresh model, train on: per case and world size."""
+        columns = {
+            f"{case_name}, {world_size} ranks": outcomes(self._roundtrip(world_size, case_name))
+            for world_size, case_name in ((2, "root_none"), (2, "tied_weights"), (4, "hsdp"))
+        }
+        self.assertExpectedInline(side_by_side(columns), """\
+                                             | root_none, 2 ranks  | tied_weights, 2 ranks | hsdp, 4 ranks
+unpatched save after eval                    | KeyError: 0         | KeyError: 0           | KeyError: 0
+unpatched load after eval                    | KeyError: <DTensor> | KeyError: <DTensor>   | KeyError: <DTensor>
+patched optimizer state restored             | 36/36 tensors equal | 33/33 tensors equal   | 36/36 tensors equal
+patched model state restored                 | 12/12 tensors equal | 12/12 tensors equal   | 12/12 tensors equal
+losses with checkpoint == never checkpointed | True                | True                  | True
+losses after load == losses of the saved run | True                | True                  | True""")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ and call its apply() the same way:
         # One line per stage while it runs; gloo's own log (torch 2.10) is not one.
         progress = [line for line in proc.stderr.splitlines() if line.startswith("backport:")]
         self.assertExpectedInline(_render("\n".join(progress)), """\
-backport: starting 2 CPU processes (gloo) for the check (backport <version>), 10 s to a minute...
+backport: starting 2 CPU processes (gloo) for the check (backport <version>), under a minute...
 backport: checking torch <torch> as installed...
 backport: checking again with backport.apply() in these processes...""")
 
@@ -113,7 +113,7 @@ usage: python -m backport [-h]
 Check whether the installed torch has the FSDP2 evaluation checkpoint bug, and
 whether backport.apply() fixes it.
 
-Runs a small FSDP2 job in 2 CPU processes (gloo; no GPU needed; 10 s to a
+Runs a small FSDP2 job in 2 CPU processes (gloo; no GPU needed; under a
 minute): one training step, an evaluation forward under torch.no_grad(), then
 get_optimizer_state_dict and set_optimizer_state_dict. Once on torch as
 installed, once after backport.apply() in those 2 processes only: nothing is
@@ -129,6 +129,29 @@ exit status:
      step that works without it; the installed torch is not supported by the
      backport; or the check could not run
   2  usage error
+""")
+
+    def test_a_check_that_cannot_run(self) -> None:
+        """A rank that fails (here gloo, on a network interface that does not exist): exit status 1."""
+        proc = _python_m_backport(
+            "-m", "backport", env={**os.environ, "GLOO_SOCKET_IFNAME": "nonexistent0"}
+        )
+        self.assertEqual(proc.returncode, 1)
+        self.assertEqual(proc.stdout, "")
+        self.assertIn("\nbackport: the check could not run:\n", proc.stderr)
+        # The launcher's report names the rank's error.
+        self.assertIn("Unable to find address for: nonexistent0", proc.stderr)
+
+    def test_without_torch(self) -> None:
+        """A Python without torch gets one line saying what to install, and exit status 1."""
+        # -S: no site-packages, so this Python cannot import torch; PYTHONPATH
+        # still finds the backport.
+        root = str(Path(backport.__file__).parent.parent)
+        proc = _python_m_backport("-S", "-m", "backport", env={**os.environ, "PYTHONPATH": root})
+        self.assertEqual(proc.returncode, 1)
+        self.assertEqual(proc.stdout, "")
+        self.assertExpectedInline(proc.stderr.replace(sys.executable, "<python>"), """\
+backport: this Python (<python>) has no torch: install torch 2.7 to 2.15 first (e.g. pip install torch), then run python -m backport again
 """)
 
     def test_usage_error(self) -> None:

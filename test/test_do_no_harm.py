@@ -299,7 +299,7 @@ def _storageless_outcomes(name: str) -> list[str]:
         try:
             result = call(model, [optim], saved_model, saved_optim)
         except Exception as err:  # noqa: BLE001 - compared with stock torch
-            lines.append(f"{call_name}: {describe_error(err).splitlines()[0]}")
+            lines.append(f"{call_name}: {describe_error(err, first_line=True)}")
             continue
         if call_name.startswith("set_"):
             result = (model.state_dict(), optim.state_dict())

@@ -22,7 +22,7 @@ from _fsdp_cases import (
     train_step,
     unpatched_then_patched,
 )
-from backport._launch import run_ranks
+from _ranks import run_ranks
 
 
 pytestmark = pytest.mark.ranks

@@ -13,7 +13,7 @@ import expecttest
 import pytest
 
 from _fsdp_cases import has_replicate, matrix_worker
-from backport._launch import run_ranks
+from _ranks import run_ranks
 
 
 pytestmark = pytest.mark.ranks

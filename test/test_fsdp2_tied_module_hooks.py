@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from _fsdp_cases import (
     StateDictOptions,
+    describe_error,
     get_model_state_dict,
     run_agreed,
     set_model_state_dict,
@@ -76,7 +77,7 @@ def _load_into(index: int, proposed_fix: bool = False) -> str:
     try:
         set_model_state_dict(model[index], {"weight": new_weight}, options=full)
     except Exception as err:  # noqa: BLE001 - the outcome is what we pin
-        return f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        return describe_error(err, first_line=True)
     if isinstance(model, FSDPModule):
         model.reshard()
     kept = torch.equal(get_model_state_dict(model, options=full)["0.weight"], new_weight)

@@ -1,17 +1,20 @@
-"""backport._launch: one world of ranks for several runs, and what ends it."""
+"""test/_ranks.py: one world of ranks for several runs, and what ends it."""
 
 import atexit
 import ctypes
 import gc
 import multiprocessing.queues
 import os
+import pickle
+import threading
+import time
 import unittest
 
 import pytest
 import torch.distributed as dist
 
 import backport
-from backport._launch import RankError, RankWorld, run_ranks, shared_worlds
+from _ranks import RankError, RankWorld, run_ranks, shared_worlds
 
 
 # This module manages its worlds itself.
@@ -104,6 +107,26 @@ class RankWorldTest(unittest.TestCase):
         # Outside shared_worlds(), the run itself.
         with self.assertRaisesRegex(RankError, r"then exited with code 3"):
             run_ranks(2, exit_with_3_later)
+
+    def test_what_cannot_be_sent_fails_at_once(self) -> None:
+        """A function or arguments that do not pickle raise before any rank starts."""
+
+        def local_function() -> int:
+            return 1
+
+        unsendable = {
+            "lambda": (lambda: 1, ()),
+            "local function": (local_function, ()),
+            "unpicklable argument": (pid_after_barrier, (threading.Lock(),)),
+        }
+        for label, (fn, args) in unsendable.items():
+            with self.subTest(label), shared_worlds():
+                start = time.monotonic()
+                with self.assertRaisesRegex(
+                    pickle.PicklingError, r"^run_ranks cannot send .* to the ranks \("
+                ):
+                    run_ranks(2, fn, *args, timeout=60)
+                self.assertLess(time.monotonic() - start, 5.0)
 
     def test_ranks_meet_at_the_launchers_store(self) -> None:
         envs = run_ranks(2, rendezvous_env)

@@ -1,7 +1,7 @@
 """Lightning Fabric 2.6.6 (ModelParallelStrategy, FSDP2): save and load after an evaluation, 2 ranks.
 
 Fabric's own ``fabric.save`` / ``fabric.load`` run unchanged. What CPU needs: ``accelerator="cpu"``
-(Fabric then picks gloo), and the ranks come from ``backport._launch.run_ranks`` with torchrun's
+(Fabric then picks gloo), and the ranks come from ``_ranks.run_ranks`` (test/_ranks.py) with torchrun's
 environment, so ``fabric.launch()`` joins that process group instead of spawning processes.
 """
 
@@ -28,9 +28,10 @@ from _fsdp_cases import (
     get_optimizer_state_dict,
     outcome_of,
     perturb,
+    render_before_after,
+    run_agreed,
     unpatched_then_patched,
 )
-from backport._launch import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
@@ -125,24 +126,17 @@ def fabric_worker(checkpoint_dir: str) -> dict[str, str]:
 class LightningFabricTest(expecttest.TestCase):
     def test_save_and_load_after_evaluation(self) -> None:
         with tempfile.TemporaryDirectory() as checkpoint_dir:
-            results = run_ranks(2, fabric_worker, checkpoint_dir)
-        self.assertEqual(results[0], results[1])
-        self.assertExpectedInline(results[0]["unpatched"], """\
-sharded {optimizer, model}: save after eval -> KeyError: 0
-sharded {model, optimizer}: save after eval -> ok
-sharded {model, optimizer}: load after eval -> restored exactly
-full {optimizer, model}: save after eval -> KeyError: 0
-full {model, optimizer}: save after eval -> ok
-full {model, optimizer}: load after eval -> RuntimeError: Error(s) in loading state_dict for Embedding:""")
-        self.assertExpectedInline(results[0]["patched"], """\
-sharded {optimizer, model}: save after eval -> ok
-sharded {optimizer, model}: load after eval -> restored exactly
-sharded {model, optimizer}: save after eval -> ok
-sharded {model, optimizer}: load after eval -> restored exactly
-full {optimizer, model}: save after eval -> ok
-full {optimizer, model}: load after eval -> restored exactly
-full {model, optimizer}: save after eval -> ok
-full {model, optimizer}: load after eval -> restored exactly""")
+            result = run_agreed(2, fabric_worker, checkpoint_dir)
+        self.assertExpectedInline(render_before_after(result, " -> "), """\
+                                            | stock -> backport applied
+sharded {optimizer, model}: save after eval | KeyError: 0 -> ok
+sharded {model, optimizer}: save after eval | ok
+sharded {model, optimizer}: load after eval | restored exactly
+full {optimizer, model}: save after eval    | KeyError: 0 -> ok
+full {model, optimizer}: save after eval    | ok
+full {model, optimizer}: load after eval    | RuntimeError: Error(s) in loading state_dict for Embedding: -> restored exactly
+sharded {optimizer, model}: load after eval | - -> restored exactly
+full {optimizer, model}: load after eval    | - -> restored exactly""")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import fully_shard
 
 import backport
 from _fsdp_cases import evaluate, outcome_of
-from backport._launch import run_ranks
+from _ranks import run_ranks
 from test_lightning_fabric import _parallelize as _parallelize_mixed
 from test_lightning_fabric import _setup, _states, perturb_then_load
 

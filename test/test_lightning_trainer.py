@@ -1,7 +1,7 @@
 """Lightning Trainer 2.6.6 (ModelParallelStrategy, FSDP2): fit with validation and ModelCheckpoint, then resume.
 
 The Trainer's own checkpointing runs unchanged. What CPU needs: ``accelerator="cpu"`` (gloo), and
-the ranks come from ``backport._launch.run_ranks`` with torchrun's environment, so the Trainer
+the ranks come from ``_ranks.run_ranks`` (test/_ranks.py) with torchrun's environment, so the Trainer
 joins that process group instead of spawning processes.
 """
 
@@ -27,9 +27,10 @@ from _fsdp_cases import (
     differences,
     get_optimizer_state_dict,
     outcome_of,
+    render_before_after,
+    run_agreed,
     unpatched_then_patched,
 )
-from backport._launch import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
@@ -154,18 +155,14 @@ def trainer_worker(checkpoint_dir: str) -> dict[str, str]:
 class LightningTrainerTest(expecttest.TestCase):
     def test_fit_validate_checkpoint_resume(self) -> None:
         with tempfile.TemporaryDirectory() as checkpoint_dir:
-            results = run_ranks(2, trainer_worker, checkpoint_dir)
-        self.assertEqual(results[0], results[1])
+            result = run_agreed(2, trainer_worker, checkpoint_dir)
         # The Trainer saves the model state first, whose state_dict() hooks
         # reshard; a bare optimizer state dict at the same moment fails.
-        self.assertExpectedInline(results[0]["unpatched"], """\
-fit with validation and ModelCheckpoint -> ok
-get_optimizer_state_dict after validation -> KeyError: 0
-resume from last.ckpt -> optimizer state restored exactly""")
-        self.assertExpectedInline(results[0]["patched"], """\
-fit with validation and ModelCheckpoint -> ok
-get_optimizer_state_dict after validation -> ok
-resume from last.ckpt -> optimizer state restored exactly""")
+        self.assertExpectedInline(render_before_after(result, " -> "), """\
+                                          | stock -> backport applied
+fit with validation and ModelCheckpoint   | ok
+get_optimizer_state_dict after validation | KeyError: 0 -> ok
+resume from last.ckpt                     | optimizer state restored exactly""")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,6 @@ backport
 backport/__init__.py
 backport/__main__.py
 backport/_diagnose.py
-backport/_launch.py
 fsdp2_dcp_eval_backport.egg-info
 fsdp2_dcp_eval_backport.egg-info/PKG-INFO
 fsdp2_dcp_eval_backport.egg-info/SOURCES.txt
@@ -133,7 +132,6 @@ setup.cfg""")
 backport/__init__.py
 backport/__main__.py
 backport/_diagnose.py
-backport/_launch.py
 fsdp2_dcp_eval_backport-0.1.0.dist-info/METADATA
 fsdp2_dcp_eval_backport-0.1.0.dist-info/RECORD
 fsdp2_dcp_eval_backport-0.1.0.dist-info/WHEEL

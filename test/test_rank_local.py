@@ -42,7 +42,7 @@ from _fsdp_cases import (
     reference_losses,
     train_step,
 )
-from backport._launch import RankError, run_ranks
+from _ranks import RankError, run_ranks
 
 
 pytestmark = pytest.mark.ranks

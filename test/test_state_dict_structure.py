@@ -16,7 +16,7 @@ from _fsdp_cases import (
     render_optim_state_dict,
     train_step,
 )
-from backport._launch import run_ranks
+from _ranks import run_ranks
 
 
 pytestmark = pytest.mark.ranks

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 import backport
 from _fsdp_cases import StateDictOptions, clone, get_model_state_dict
-from backport._launch import RankError, run_ranks
+from _ranks import RankError, run_ranks
 
 
 pytestmark = pytest.mark.ranks

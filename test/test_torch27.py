@@ -25,7 +25,7 @@ from _fsdp_cases import (
     run_case,
     unpatched_then_patched,
 )
-from backport._launch import run_ranks
+from _ranks import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.torch27]

@@ -4,7 +4,7 @@ torchtitan's own ``CheckpointManager``, ``ModelWrapper`` and ``OptimizersContain
 ``get_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True``) run unchanged. What CPU
 needs: the device mesh is built with ``init_device_mesh("cpu", ...)`` and the model sharded with
 plain ``fully_shard`` instead of torchtitan's ``parallelize`` functions (which expect GPUs); the
-ranks come from ``backport._launch.run_ranks``. ``import torchtitan`` needs ``triton`` installed.
+ranks come from ``_ranks.run_ranks`` (test/_ranks.py). ``import torchtitan`` needs ``triton`` installed.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from _fsdp_cases import (
     evaluate,
     outcome_of,
     perturb,
+    render_before_after,
+    run_agreed,
     unpatched_then_patched,
 )
-from backport._launch import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
@@ -108,14 +109,11 @@ def titan_worker(folder: str) -> dict[str, str]:
 class TorchtitanTest(expecttest.TestCase):
     def test_save_and_load_after_validation(self) -> None:
         with tempfile.TemporaryDirectory() as folder:
-            results = run_ranks(2, titan_worker, folder)
-        self.assertEqual(results[0], results[1])
-        self.assertExpectedInline(results[0]["unpatched"], """\
-save after validation -> KeyError: 0
-load after validation -> KeyError: 0""")
-        self.assertExpectedInline(results[0]["patched"], """\
-save after validation -> ok
-load after validation -> optimizer state restored exactly""")
+            result = run_agreed(2, titan_worker, folder)
+        self.assertExpectedInline(render_before_after(result, " -> "), """\
+                      | stock -> backport applied
+save after validation | KeyError: 0 -> ok
+load after validation | KeyError: 0 -> optimizer state restored exactly""")
 
 
 if __name__ == "__main__":

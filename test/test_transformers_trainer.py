@@ -3,7 +3,7 @@
 The Trainer's own evaluation, checkpointing and ``resume_from_checkpoint`` run unchanged. What CPU
 needs: ``use_cpu=True`` (gloo); accelerate turns FSDP on only for accelerator devices, so a
 Trainer subclass sets the FSDP2 distributed state that accelerate would set on GPUs right after
-the Trainer builds its Accelerator; the ranks come from ``backport._launch.run_ranks``.
+the Trainer builds its Accelerator; the ranks come from ``_ranks.run_ranks`` (test/_ranks.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from _fsdp_cases import (
     differences,
     get_optimizer_state_dict,
     outcome_of,
+    render_before_after,
+    run_agreed,
     unpatched_then_patched,
 )
-from backport._launch import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.torch27, pytest.mark.fresh_ranks]
@@ -145,7 +146,7 @@ def trainer_worker(output_dir: str) -> dict[str, str]:
         try:
             trainer.train(resume_from_checkpoint=str(run_dir / "checkpoint-2"))
         except Exception as err:  # noqa: BLE001 - the outcome is what we render
-            lines.append(f"resume_from_checkpoint -> {describe_error(err).splitlines()[0]}")
+            lines.append(f"resume_from_checkpoint -> {describe_error(err, first_line=True)}")
         else:
             diffs = differences(restored["optim"], probe.saved_optim)
             lines.append(
@@ -163,16 +164,12 @@ def trainer_worker(output_dir: str) -> dict[str, str]:
 class TransformersTrainerTest(expecttest.TestCase):
     def test_evaluate_save_resume(self) -> None:
         with tempfile.TemporaryDirectory() as output_dir:
-            results = run_ranks(2, trainer_worker, output_dir)
-        self.assertEqual(results[0], results[1])
-        self.assertExpectedInline(results[0]["unpatched"], """\
-train with evaluation, then save -> ok
-get_optimizer_state_dict after evaluation -> KeyError: 15
-resume_from_checkpoint -> optimizer state restored exactly""")
-        self.assertExpectedInline(results[0]["patched"], """\
-train with evaluation, then save -> ok
-get_optimizer_state_dict after evaluation -> ok
-resume_from_checkpoint -> optimizer state restored exactly""")
+            result = run_agreed(2, trainer_worker, output_dir)
+        self.assertExpectedInline(render_before_after(result, " -> "), """\
+                                          | stock -> backport applied
+train with evaluation, then save          | ok
+get_optimizer_state_dict after evaluation | KeyError: 15 -> ok
+resume_from_checkpoint                    | optimizer state restored exactly""")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import expecttest
 import pytest
 
 from _fsdp_cases import clone, differences, outcome_of, perturb, unpatched_then_patched
-from backport._launch import run_ranks
+from _ranks import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]

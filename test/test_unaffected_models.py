@@ -19,7 +19,7 @@ from _fsdp_cases import (
     set_state_dict,
     train_step,
 )
-from backport._launch import run_ranks
+from _ranks import run_ranks
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.torch27]
@@ -50,7 +50,7 @@ def _state_after_eval(kind: str):
         set_state_dict(model, optims, model_state_dict=msd, optim_state_dict=osd)
         return "ok", saved
     except Exception as err:  # noqa: BLE001 - compared between the two runs
-        return describe_error(err).split("\n")[0], None
+        return describe_error(err, first_line=True), None
 
 
 def unaffected_worker() -> list[str]:

@@ -1,6 +1,7 @@
 """backport/__init__.py works as one copied file, and copies agree through torch's marker."""
 
 import ast
+import functools
 import importlib.util
 import shutil
 import sys
@@ -32,7 +33,9 @@ def _load_copy(directory: str, name: str):
 class VendoringTest(unittest.TestCase):
     def setUp(self) -> None:
         self.original = dsd._verify_options
-        self.addCleanup(setattr, dsd, "_verify_options", self.original)
+        self.originals = {name: getattr(dsd, name) for name in backport._WRAPPERS}
+        for name, original in self.originals.items():
+            self.addCleanup(setattr, dsd, name, original)
 
     def test_imports_only_stdlib_and_torch(self) -> None:
         tree = ast.parse(SOURCE.read_text())
@@ -69,8 +72,28 @@ class VendoringTest(unittest.TestCase):
             self.assertIs(dsd._verify_options.__wrapped__, self.original)
             # Either copy reverts it.
             backport.revert()
-            self.assertIs(dsd._verify_options, self.original)
+            for name, original in self.originals.items():
+                self.assertIs(getattr(dsd, name), original, name)
             self.assertFalse(vendored.is_applied())
+
+    def test_copies_tell_their_wrapper_from_a_foreign_one(self) -> None:
+        """A copy sees the other's wrapper under a functools.wraps wrapper, and leaves that."""
+        with tempfile.TemporaryDirectory() as tmp:
+            vendored = _load_copy(tmp, "yourpkg_dcp_eval_backport")
+            vendored.apply()
+            ours = dsd._init_optim_state
+
+            @functools.wraps(ours)
+            def foreign(*args, **kwargs):
+                return ours(*args, **kwargs)
+
+            dsd._init_optim_state = foreign
+            backport.apply()
+            self.assertIs(dsd._init_optim_state, foreign)
+            with self.assertWarnsRegex(backport.BackportWarning, "_init_optim_state is wrapped"):
+                self.assertTrue(backport.revert().startswith("partly applied: "))
+            self.assertIs(dsd._init_optim_state, foreign)
+            self.assertIs(dsd._verify_options, self.original)
 
 
 if __name__ == "__main__":

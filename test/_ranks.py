@@ -1,4 +1,11 @@
-"""Run a function on N local ranks under a gloo process group and collect the results."""
+"""The tests' ranks: a function run on N local ranks under a gloo process group.
+
+``run_ranks`` returns each rank's result. Inside ``shared_worlds()`` (test/conftest.py
+opens one per test class) consecutive runs reuse one world of ranks, as torch's
+``MultiProcContinuousTest`` keeps one per class; that class is private and
+unittest-only, so the harness is ours. ``python -m backport`` does not use it: it
+starts its ranks once, with torch's launcher (backport/_diagnose.py).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,14 @@ import contextlib
 import faulthandler
 import gc
 import os
+import pickle
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 
@@ -88,7 +97,8 @@ def _rank_main(env, tasks, results) -> None:
         return
     try:
         # One function after another until the parent sends None.
-        for fn, args in iter(tasks.get, None):
+        for task in iter(tasks.get, None):
+            fn, args = pickle.loads(task)
             environ = dict(os.environ)
             try:
                 report = (True, fn(*args))
@@ -107,6 +117,22 @@ def _rank_main(env, tasks, results) -> None:
         # take the GIL and aborts the rank ("terminate called without an active
         # exception", c10d_issue/ISSUE.md). Freeing the groups now joins them.
         gc.collect()
+
+
+def _pickled(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    """``(fn, args)`` as the ranks receive it; raises at once for what cannot be sent.
+
+    A queue pickles in a background thread, which only prints the error: the
+    run would wait for results until its timeout.
+    """
+    try:
+        return bytes(ForkingPickler.dumps((fn, args)))
+    except Exception as err:
+        raise pickle.PicklingError(
+            f"run_ranks cannot send {getattr(fn, '__qualname__', repr(fn))} and its "
+            f"arguments to the ranks ({type(err).__name__}: {err}): pass a function "
+            "defined at module level and picklable arguments"
+        ) from err
 
 
 class RankWorld:
@@ -170,11 +196,12 @@ class RankWorld:
         if dead:
             self._kill()
             raise RankError(f"{len(dead)} of {self.world_size} ranks failed:\n" + "\n".join(dead))
+        task = _pickled(fn, args)
         if not self._procs:
             self._start()
         self._previous_run = getattr(fn, "__qualname__", repr(fn))
         for tasks in self._tasks:
-            tasks.put((fn, args))
+            tasks.put(task)
         reports: dict[int, tuple[bool, Any, bool]] = {}
         silent = dict(zip(self._results, range(self.world_size)))
         deadline = time.monotonic() + timeout
