@@ -6,6 +6,7 @@ Everything here runs inside a rank started by ``_ranks.run_ranks`` (test/_ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 from collections.abc import Callable
@@ -515,6 +516,46 @@ def outcome_of(call: Callable[[], Any]) -> str:
     return "ok"
 
 
+def call_after_evaluation(
+    model,
+    optims,
+    options: StateDictOptions,
+    call_name: str,
+    evaluate: Callable[[], None],
+    calls: dict[str, Callable] = CALLS,
+) -> str:
+    """Record the sharded state, evaluate, make the call: 'ok' or what went wrong.
+
+    'ok' means the call returned (or, for a set call, restored) exactly the
+    state recorded before the evaluation; a set call first gets what it
+    restores perturbed.
+    """
+    call = calls[call_name]
+    # Before any evaluation every group is sharded: the reference state.
+    ref = {
+        "model": clone(get_model_state_dict(model, options=options)),
+        "optim": clone(get_optimizer_state_dict(model, optims, options=options)),
+    }
+    if call is _set_model_per_module:
+        ref["full_model"] = clone(
+            get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        )
+    if call_name.startswith("set_"):
+        # Only what the call restores, so the next steps can match the reference.
+        perturb(
+            model,
+            optims,
+            params="model" in call_name or "state" in call_name,
+            optim_state="optim" in call_name or "state" in call_name,
+        )
+    evaluate()
+    try:
+        diffs = call(model, optims, options, ref)
+    except Exception as err:  # noqa: BLE001 - the outcome is what we render
+        return describe_error(err, first_line=True)
+    return f"differs at {diffs[:3]}" if diffs else "ok"
+
+
 def run_case(
     case: Case, calls: dict[str, Callable] = CALLS, check_losses: bool = False
 ) -> dict[str, str]:
@@ -525,54 +566,46 @@ def run_case(
     """
     expected_losses = reference_losses(case) if check_losses else None
     outcomes = {}
-    for call_name, call in calls.items():
+    for call_name in calls:
         model, optims, options = build(case)
         train_step(model, optims, 0)
-        # Before any evaluation every group is sharded: the reference state.
-        ref = {
-            "model": clone(get_model_state_dict(model, options=options)),
-            "optim": clone(get_optimizer_state_dict(model, optims, options=options)),
-        }
-        if call is _set_model_per_module:
-            ref["full_model"] = clone(
-                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-            )
-        if call_name.startswith("set_"):
-            # Only what the call restores, so the next steps can match the reference.
-            perturb(
-                model,
-                optims,
-                params="model" in call_name or "state" in call_name,
-                optim_state="optim" in call_name or "state" in call_name,
-            )
-        evaluate(model, case)
-        try:
-            diffs = call(model, optims, options, ref)
-        except Exception as err:  # noqa: BLE001 - the outcome is what we render
-            outcomes[call_name] = describe_error(err, first_line=True)
-            continue
-        if diffs:
-            outcomes[call_name] = f"differs at {diffs[:3]}"
-        elif check_losses and (losses := losses_after(model, optims)) != expected_losses:
-            outcomes[call_name] = f"losses {losses} != {expected_losses}"
-        else:
-            outcomes[call_name] = "ok"
+        outcome = call_after_evaluation(
+            model, optims, options, call_name, functools.partial(evaluate, model, case), calls
+        )
+        if outcome == "ok" and check_losses:
+            losses = losses_after(model, optims)
+            if losses != expected_losses:
+                outcome = f"losses {losses} != {expected_losses}"
+        outcomes[call_name] = outcome
     return outcomes
 
 
+def summarize(outcomes: dict[str, str]) -> list[str]:
+    """The calls that did not return the exact reference state, grouped by outcome."""
+    failed = {call: out for call, out in outcomes.items() if out != "ok"}
+    if not failed:
+        return [f"all {len(outcomes)} calls ok"]
+    return [
+        ", ".join(call for call, out in failed.items() if out == kind) + f" -> {kind}"
+        for kind in sorted(set(failed.values()))
+    ]
+
+
 def render_outcomes(results: dict[str, dict[str, str]]) -> str:
-    """One line per case: the calls that did not return the exact reference state."""
-    lines = []
-    for name, outcomes in results.items():
-        failed = {call: out for call, out in outcomes.items() if out != "ok"}
-        if not failed:
-            lines.append(f"{name}: all {len(outcomes)} calls ok")
-            continue
-        kinds = sorted(set(failed.values()))
-        for kind in kinds:
-            calls = ", ".join(call for call, out in failed.items() if out == kind)
-            lines.append(f"{name}: {calls} -> {kind}")
-    return "\n".join(lines)
+    """One line per case and outcome: the calls that did not return the reference state."""
+    return "\n".join(
+        f"{name}: {line}" for name, outcomes in results.items() for line in summarize(outcomes)
+    )
+
+
+def optimizer_state_summary(model, optims) -> str:
+    """How many of the optimizers' parameters get_optimizer_state_dict returns state for."""
+    n_params = sum(len(group["params"]) for optim in optims for group in optim.param_groups)
+    try:
+        osd = get_optimizer_state_dict(model, optims)
+    except ValueError as err:
+        return f"ValueError: {err}"
+    return f"ok, state for {len(osd['state'])} of {n_params} optimizer params"
 
 
 def run_agreed(world_size: int, fn: Callable[..., Any], *args: Any) -> Any:

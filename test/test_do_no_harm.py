@@ -31,6 +31,7 @@ from _fsdp_cases import (
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
+    optimizer_state_summary,
     outcome_of,
     run_agreed,
     set_model_state_dict,
@@ -183,13 +184,7 @@ def optim_built_after_eval_worker() -> dict[str, str]:
         if trained:
             train_step(model, optims, 0)
             evaluate(model)
-        n_params = sum(len(group["params"]) for group in optims[0].param_groups)
-        try:
-            osd = get_optimizer_state_dict(model, optims)
-        except ValueError as err:
-            get = f"ValueError: {err}"
-        else:
-            get = f"ok, state for {len(osd['state'])} of {n_params} optimizer params"
+        get = optimizer_state_summary(model, optims)
         # Never stepped, DSD's zero-grad step() would write to freed parameters.
         load = outcome_of(lambda: set_optimizer_state_dict(model, optims, clone(saved)))
         int_keyed = clone(optims[0].state_dict())

@@ -8,6 +8,7 @@ torch as installed and again after ``backport.apply()`` and is compared with
 the stage's state before the evaluation exactly; then the pipeline trains on.
 """
 
+import functools
 import unittest
 
 import expecttest
@@ -26,11 +27,7 @@ from _fsdp_cases import (
     StateDictOptions,
     TinyLM,
     batch,
-    clone,
-    describe_error,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    perturb,
+    call_after_evaluation,
     render_outcomes,
     run_agreed,
     unpatched_then_patched,
@@ -120,26 +117,14 @@ class Pipeline:
 
 
 def _outcome(pipeline: Pipeline, call_name: str, schedule: bool) -> str:
-    """The call after an evaluation: 'ok' (the stage's exact state) or what went wrong."""
-    module, optims, options = pipeline.module, pipeline.optims, StateDictOptions()
     pipeline.train_step(0)
-    ref = {
-        "model": clone(get_model_state_dict(module)),
-        "optim": clone(get_optimizer_state_dict(module, optims)),
-    }
-    if call_name.startswith("set_"):
-        perturb(
-            module,
-            optims,
-            params="model" in call_name or "state" in call_name,
-            optim_state="optim" in call_name or "state" in call_name,
-        )
-    pipeline.evaluate(schedule)
-    try:
-        diffs = CALLS[call_name](module, optims, options, ref)
-    except Exception as err:  # noqa: BLE001 - the outcome is what we render
-        return describe_error(err).split("\n")[0]
-    return f"differs at {diffs[:3]}" if diffs else "ok"
+    return call_after_evaluation(
+        pipeline.module,
+        pipeline.optims,
+        StateDictOptions(),
+        call_name,
+        functools.partial(pipeline.evaluate, schedule),
+    )
 
 
 def pipeline_worker() -> dict[str, str]:

@@ -19,11 +19,14 @@ from _fsdp_cases import (
     clone,
     evaluate,
     get_optimizer_state_dict,
+    optimizer_state_summary,
     outcome_of,
-    render_outcomes,
+    render_before_after,
     run_agreed,
     run_case,
     set_optimizer_state_dict,
+    side_by_side,
+    summarize,
     tp_mesh_shape,
     train_step,
     unpatched_then_patched,
@@ -55,13 +58,14 @@ def tp_cases(world_size: int) -> dict[str, Case]:
     return cases
 
 
-def tp_matrix_worker(cases: dict[str, Case]) -> dict[str, str]:
-    outcomes = unpatched_then_patched(
+def tp_matrix_worker(cases: dict[str, Case]) -> dict[str, dict[str, str]]:
+    """{label: {case: the calls that failed, or "all 6 calls ok"}}, stock then patched."""
+    return unpatched_then_patched(
         lambda _label: {
-            name: run_case(case, check_losses=True) for name, case in cases.items()
+            name: "; ".join(summarize(run_case(case, check_losses=True)))
+            for name, case in cases.items()
         }
     )
-    return {label: render_outcomes(result) for label, result in outcomes.items()}
 
 
 def tp_optimizer_built_after_eval_worker(tps: tuple[int, ...]) -> dict[str, str]:
@@ -73,149 +77,87 @@ def tp_optimizer_built_after_eval_worker(tps: tuple[int, ...]) -> dict[str, str]
     DTensors, whose local tensors' storage the fix's reshard frees.
     """
 
-    def run(tp: int, after_eval: bool) -> str:
+    def run(tp: int, after_eval: bool) -> list[str]:
         model, optims, _ = build(Case(tp=tp, sequence_parallel=True))
         if after_eval:
             train_step(model, optims, 0)
             saved = clone(get_optimizer_state_dict(model, optims))
             evaluate(model)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        n_params = sum(len(group["params"]) for group in optim.param_groups)
-        try:
-            osd = get_optimizer_state_dict(model, optim)
-        except ValueError as err:
-            get = f"ValueError: {err}"
-        else:
-            get = f"ok, state for {len(osd['state'])} of {n_params} params"
-        if not after_eval:
-            return f"get: {get}"
-        load = outcome_of(lambda: set_optimizer_state_dict(model, optim, clone(saved)))
-        return f"get: {get}\n  set: {load}"
+        name = f"tp={tp}, built {'after an evaluation' if after_eval else 'before any forward'}"
+        lines = [f"{name}, get: {optimizer_state_summary(model, [optim])}"]
+        if after_eval:
+            load = outcome_of(lambda: set_optimizer_state_dict(model, optim, clone(saved)))
+            lines.append(f"{name}, set: {load}")
+        return lines
 
     def render(_label: str) -> str:
         return "\n".join(
-            f"tp={tp}, built {'after an evaluation' if after_eval else 'before any forward'}: "
-            + run(tp, after_eval)
-            for tp in tps
-            for after_eval in (False, True)
+            line for tp in tps for after_eval in (False, True) for line in run(tp, after_eval)
         )
 
     return unpatched_then_patched(render)
 
 
 class TensorParallelTest(expecttest.TestCase):
-    def _matrix(self, world_size: int) -> tuple[str, str]:
+    def _table(self, world_size: int) -> str:
         result = run_agreed(world_size, tp_matrix_worker, tp_cases(world_size))
-        return result["unpatched"], result["patched"]
-
-    def _assert_controls_unchanged(self, before: str, after: str) -> None:
-        controls = [line for line in before.splitlines() if "control:" in line]
+        # Each control gives the same outcome with the fix as on stock torch.
+        controls = [name for name in result["unpatched"] if "control:" in name]
         self.assertTrue(controls)
-        for line in controls:
-            self.assertIn(line, after.splitlines())
+        for name in controls:
+            self.assertEqual(result["patched"][name], result["unpatched"][name], name)
+        return side_by_side(
+            {"stock": result["unpatched"], "backport applied": result["patched"]}, "case"
+        )
 
     def test_world_size_2(self) -> None:
-        before, after = self._matrix(2)
         self.assertExpectedInline(
-            before,
+            self._table(2),
             """\
-(dp, tp)=(2, 1) no_grad: get_optim -> KeyError: 0
-(dp, tp)=(2, 1) no_grad: set_optim, set_state -> KeyError: <DTensor>
-(dp, tp)=(2, 1) inference_mode: get_optim -> KeyError: 0
-(dp, tp)=(2, 1) inference_mode: set_optim, set_state -> KeyError: <DTensor>
-(dp, tp)=(2, 1) unshard: get_optim -> KeyError: 0
-(dp, tp)=(2, 1) unshard: set_optim, set_state -> KeyError: <DTensor>
-(dp, tp)=(2, 1) SP: get_optim -> KeyError: 0
-(dp, tp)=(2, 1) SP: set_optim, set_state -> KeyError: <DTensor>
-(replicate, shard, tp)=(2, 1, 1) no_grad: get_optim -> KeyError: 0
-(replicate, shard, tp)=(2, 1, 1) no_grad: set_optim, set_state -> KeyError: <DTensor>
-(dp, tp)=(2, 1) control: reshard_after_forward=True: all 6 calls ok
-(dp, tp)=(2, 1) control: TP only: all 6 calls ok
-(dp, tp)=(1, 2) no_grad: get_optim -> KeyError: 0
-(dp, tp)=(1, 2) no_grad: set_optim, set_state -> KeyError: <DTensor>
-(dp, tp)=(1, 2) inference_mode: get_optim -> KeyError: 0
-(dp, tp)=(1, 2) inference_mode: set_optim, set_state -> KeyError: <DTensor>
-(dp, tp)=(1, 2) unshard: get_optim -> KeyError: 0
-(dp, tp)=(1, 2) unshard: set_optim, set_state -> KeyError: <DTensor>
-(dp, tp)=(1, 2) SP: get_optim -> KeyError: 0
-(dp, tp)=(1, 2) SP: set_optim, set_state -> KeyError: <DTensor>
-(replicate, shard, tp)=(1, 1, 2) no_grad: get_optim -> KeyError: 0
-(replicate, shard, tp)=(1, 1, 2) no_grad: set_optim, set_state -> KeyError: <DTensor>
-(dp, tp)=(1, 2) control: reshard_after_forward=True: all 6 calls ok
-(dp, tp)=(1, 2) control: TP only: all 6 calls ok""",
+case                                                | stock                                                                 | backport applied
+(dp, tp)=(2, 1) no_grad                             | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(dp, tp)=(2, 1) inference_mode                      | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(dp, tp)=(2, 1) unshard                             | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(dp, tp)=(2, 1) SP                                  | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(replicate, shard, tp)=(2, 1, 1) no_grad            | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(dp, tp)=(2, 1) control: reshard_after_forward=True | all 6 calls ok                                                        | all 6 calls ok
+(dp, tp)=(2, 1) control: TP only                    | all 6 calls ok                                                        | all 6 calls ok
+(dp, tp)=(1, 2) no_grad                             | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(dp, tp)=(1, 2) inference_mode                      | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(dp, tp)=(1, 2) unshard                             | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(dp, tp)=(1, 2) SP                                  | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(replicate, shard, tp)=(1, 1, 2) no_grad            | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(dp, tp)=(1, 2) control: reshard_after_forward=True | all 6 calls ok                                                        | all 6 calls ok
+(dp, tp)=(1, 2) control: TP only                    | all 6 calls ok                                                        | all 6 calls ok""",
         )
-        self.assertExpectedInline(
-            after,
-            """\
-(dp, tp)=(2, 1) no_grad: all 6 calls ok
-(dp, tp)=(2, 1) inference_mode: all 6 calls ok
-(dp, tp)=(2, 1) unshard: all 6 calls ok
-(dp, tp)=(2, 1) SP: all 6 calls ok
-(replicate, shard, tp)=(2, 1, 1) no_grad: all 6 calls ok
-(dp, tp)=(2, 1) control: reshard_after_forward=True: all 6 calls ok
-(dp, tp)=(2, 1) control: TP only: all 6 calls ok
-(dp, tp)=(1, 2) no_grad: all 6 calls ok
-(dp, tp)=(1, 2) inference_mode: all 6 calls ok
-(dp, tp)=(1, 2) unshard: all 6 calls ok
-(dp, tp)=(1, 2) SP: all 6 calls ok
-(replicate, shard, tp)=(1, 1, 2) no_grad: all 6 calls ok
-(dp, tp)=(1, 2) control: reshard_after_forward=True: all 6 calls ok
-(dp, tp)=(1, 2) control: TP only: all 6 calls ok""",
-        )
-        self._assert_controls_unchanged(before, after)
 
     def test_world_size_4(self) -> None:
-        before, after = self._matrix(4)
         self.assertExpectedInline(
-            before,
+            self._table(4),
             """\
-(dp, tp)=(2, 2) no_grad: get_optim -> KeyError: 0
-(dp, tp)=(2, 2) no_grad: set_optim, set_state -> KeyError: <DTensor>
-(dp, tp)=(2, 2) inference_mode: get_optim -> KeyError: 0
-(dp, tp)=(2, 2) inference_mode: set_optim, set_state -> KeyError: <DTensor>
-(dp, tp)=(2, 2) unshard: get_optim -> KeyError: 0
-(dp, tp)=(2, 2) unshard: set_optim, set_state -> KeyError: <DTensor>
-(dp, tp)=(2, 2) SP: get_optim -> KeyError: 0
-(dp, tp)=(2, 2) SP: set_optim, set_state -> KeyError: <DTensor>
-(replicate, shard, tp)=(2, 1, 2) no_grad: get_optim -> KeyError: 0
-(replicate, shard, tp)=(2, 1, 2) no_grad: set_optim, set_state -> KeyError: <DTensor>
-(dp, tp)=(2, 2) control: reshard_after_forward=True: all 6 calls ok
-(dp, tp)=(2, 2) control: TP only: all 6 calls ok""",
+case                                                | stock                                                                 | backport applied
+(dp, tp)=(2, 2) no_grad                             | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(dp, tp)=(2, 2) inference_mode                      | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(dp, tp)=(2, 2) unshard                             | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(dp, tp)=(2, 2) SP                                  | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(replicate, shard, tp)=(2, 1, 2) no_grad            | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+(dp, tp)=(2, 2) control: reshard_after_forward=True | all 6 calls ok                                                        | all 6 calls ok
+(dp, tp)=(2, 2) control: TP only                    | all 6 calls ok                                                        | all 6 calls ok""",
         )
-        self.assertExpectedInline(
-            after,
-            """\
-(dp, tp)=(2, 2) no_grad: all 6 calls ok
-(dp, tp)=(2, 2) inference_mode: all 6 calls ok
-(dp, tp)=(2, 2) unshard: all 6 calls ok
-(dp, tp)=(2, 2) SP: all 6 calls ok
-(replicate, shard, tp)=(2, 1, 2) no_grad: all 6 calls ok
-(dp, tp)=(2, 2) control: reshard_after_forward=True: all 6 calls ok
-(dp, tp)=(2, 2) control: TP only: all 6 calls ok""",
-        )
-        self._assert_controls_unchanged(before, after)
 
     def test_optimizer_built_after_an_evaluation(self) -> None:
         result = run_agreed(2, tp_optimizer_built_after_eval_worker, (1, 2))
         self.assertExpectedInline(
-            result["unpatched"],
+            render_before_after(result),
             """\
-tp=1, built before any forward: get: ok, state for 12 of 12 params
-tp=1, built after an evaluation: get: ok, state for 12 of 12 params
-  set: ok
-tp=2, built before any forward: get: ok, state for 12 of 12 params
-tp=2, built after an evaluation: get: ok, state for 12 of 12 params
-  set: ok""",
-        )
-        self.assertExpectedInline(
-            result["patched"],
-            """\
-tp=1, built before any forward: get: ok, state for 12 of 12 params
-tp=1, built after an evaluation: get: ValueError: Adam param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
-  set: ValueError: Adam param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
-tp=2, built before any forward: get: ok, state for 12 of 12 params
-tp=2, built after an evaluation: get: ValueError: Adam param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
-  set: ValueError: Adam param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().""",
+                                     | stock -> backport applied
+tp=1, built before any forward, get  | ok, state for 12 of 12 optimizer params
+tp=1, built after an evaluation, get | ok, state for 12 of 12 optimizer params -> ValueError: Adam param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
+tp=1, built after an evaluation, set | ok -> ValueError: Adam param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
+tp=2, built before any forward, get  | ok, state for 12 of 12 optimizer params
+tp=2, built after an evaluation, get | ok, state for 12 of 12 optimizer params -> ValueError: Adam param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
+tp=2, built after an evaluation, set | ok -> ValueError: Adam param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().""",
         )
 
 
