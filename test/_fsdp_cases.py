@@ -684,18 +684,17 @@ def _describe_value(value: Any) -> str:
     return repr(value)
 
 
-def render_optim_state_dict(osd: dict[str, Any]) -> str:
-    """Structure of a DCP optimizer state dict: FQNs, state entries, param groups."""
-    lines = []
+def optim_state_dict_rows(osd: dict[str, Any]) -> dict[str, str]:
+    """Structure of a DCP optimizer state dict: each FQN's state entries, then the param groups."""
+    rows = {}
     for fqn in sorted(osd["state"]):
         entries = osd["state"][fqn]
-        described = ", ".join(f"{k}={_describe_value(entries[k])}" for k in sorted(entries))
-        lines.append(f"state[{fqn}]: {described}")
+        rows[fqn] = ", ".join(f"{k}={_describe_value(entries[k])}" for k in sorted(entries))
     for idx, group in enumerate(osd["param_groups"]):
         # Only lr: the other hyperparameters differ between torch releases.
-        lines.append(f"param_groups[{idx}] lr={group['lr']}: {', '.join(group['params'])}")
-    return "\n".join(lines)
+        rows[f"param_groups[{idx}] lr={group['lr']}"] = ", ".join(group["params"])
+    return rows
 
 
-def render_model_state_dict(msd: dict[str, Any]) -> str:
-    return "\n".join(f"{fqn}: {_describe_value(msd[fqn])}" for fqn in sorted(msd))
+def model_state_dict_rows(msd: dict[str, Any]) -> dict[str, str]:
+    return {fqn: _describe_value(msd[fqn]) for fqn in sorted(msd)}
