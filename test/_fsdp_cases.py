@@ -648,7 +648,7 @@ def unpatched_then_patched(run: Callable[[str], Any]) -> dict[str, Any]:
     return results
 
 
-def render_before_after(result: dict[str, str], sep: str = ": ") -> str:
+def render_before_after(result: dict[str, Any], sep: str = ": ") -> str:
     """``unpatched_then_patched``'s two renderings as one table: "stock -> patched" per step."""
     return side_by_side(
         {"stock -> backport applied": before_after(result["unpatched"], result["patched"], sep)}
