@@ -655,6 +655,17 @@ def render_before_after(result: dict[str, Any], sep: str = ": ") -> str:
     )
 
 
+def render_before_after_columns(results: dict[str, dict[str, Any]], sep: str = ": ") -> str:
+    """``unpatched_then_patched`` results of several cases as one table, a column each."""
+    return side_by_side(
+        {
+            name: before_after(result["unpatched"], result["patched"], sep)
+            for name, result in results.items()
+        },
+        "stock -> backport applied",
+    )
+
+
 def matrix_worker(include_replicate: bool) -> dict[str, str]:
     """Run every case without and then with the backport; return the renderings.
 
