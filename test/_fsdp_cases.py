@@ -470,9 +470,13 @@ def outcomes(text: str, sep: str = ": ") -> dict[str, str]:
     return dict(line.split(sep, 1) for line in text.splitlines())
 
 
-def before_after(stock: str, fixed: str, sep: str = ": ") -> dict[str, str]:
-    """{step: "stock -> fixed"} from two renderings, or the one outcome where both agree."""
-    before, after = outcomes(stock, sep), outcomes(fixed, sep)
+def before_after(
+    stock: str | dict[str, str], fixed: str | dict[str, str], sep: str = ": "
+) -> dict[str, str]:
+    """{step: "stock -> fixed"} from two renderings (or {step: outcome} dicts),
+    or the one outcome where both agree."""
+    before = stock if isinstance(stock, dict) else outcomes(stock, sep)
+    after = fixed if isinstance(fixed, dict) else outcomes(fixed, sep)
     return {
         step: before.get(step, "-") if before.get(step) == after.get(step)
         else f"{before.get(step, '-')} -> {after.get(step, '-')}"
@@ -598,6 +602,21 @@ def render_outcomes(results: dict[str, dict[str, str]]) -> str:
     )
 
 
+def render_outcome_groups(results: dict[str, dict[str, str]]) -> str:
+    """``render_outcomes`` with the cases that share every outcome named together.
+
+    Each case stands in one group, so a case's lines are exactly its group's.
+    """
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name, outcomes in results.items():
+        groups.setdefault(tuple(summarize(outcomes)), []).append(name)
+    return "\n".join(
+        f"{', '.join(names)}: {lines[0]}" if len(lines) == 1
+        else f"{', '.join(names)}:" + "".join(f"\n    {line}" for line in lines)
+        for lines, names in groups.items()
+    )
+
+
 def optimizer_state_summary(model, optims) -> str:
     """How many of the optimizers' parameters get_optimizer_state_dict returns state for."""
     n_params = sum(len(group["params"]) for optim in optims for group in optim.param_groups)
@@ -629,25 +648,42 @@ def unpatched_then_patched(run: Callable[[str], Any]) -> dict[str, Any]:
     return results
 
 
-def render_before_after(result: dict[str, str], sep: str = ": ") -> str:
+def render_before_after(result: dict[str, Any], sep: str = ": ") -> str:
     """``unpatched_then_patched``'s two renderings as one table: "stock -> patched" per step."""
     return side_by_side(
         {"stock -> backport applied": before_after(result["unpatched"], result["patched"], sep)}
     )
 
 
+def render_before_after_columns(results: dict[str, dict[str, Any]], sep: str = ": ") -> str:
+    """``unpatched_then_patched`` results of several cases as one table, a column each."""
+    return side_by_side(
+        {
+            name: before_after(result["unpatched"], result["patched"], sep)
+            for name, result in results.items()
+        },
+        "stock -> backport applied",
+    )
+
+
 def matrix_worker(include_replicate: bool) -> dict[str, str]:
-    """Run every case without and then with the backport; return the renderings."""
+    """Run every case without and then with the backport; return the renderings.
+
+    The replicate case, which not every release has, is rendered on its own.
+    """
     cases = dict(CASES)
     if include_replicate:
         cases["replicate"] = REPLICATE_CASE
     outcomes = unpatched_then_patched(
         lambda _label: {name: run_case(case) for name, case in cases.items()}
     )
-    return {
-        "before": render_outcomes(outcomes["unpatched"]),
-        "after": render_outcomes(outcomes["patched"]),
-    }
+    rendered = {}
+    for label, key in (("unpatched", "before"), ("patched", "after")):
+        results = outcomes[label]
+        rendered[key] = render_outcome_groups({name: results[name] for name in CASES})
+        if include_replicate:
+            rendered[f"replicate {key}"] = render_outcomes({"replicate": results["replicate"]})
+    return rendered
 
 
 def _describe_value(value: Any) -> str:
@@ -659,18 +695,17 @@ def _describe_value(value: Any) -> str:
     return repr(value)
 
 
-def render_optim_state_dict(osd: dict[str, Any]) -> str:
-    """Structure of a DCP optimizer state dict: FQNs, state entries, param groups."""
-    lines = []
+def optim_state_dict_rows(osd: dict[str, Any]) -> dict[str, str]:
+    """Structure of a DCP optimizer state dict: each FQN's state entries, then the param groups."""
+    rows = {}
     for fqn in sorted(osd["state"]):
         entries = osd["state"][fqn]
-        described = ", ".join(f"{k}={_describe_value(entries[k])}" for k in sorted(entries))
-        lines.append(f"state[{fqn}]: {described}")
+        rows[fqn] = ", ".join(f"{k}={_describe_value(entries[k])}" for k in sorted(entries))
     for idx, group in enumerate(osd["param_groups"]):
         # Only lr: the other hyperparameters differ between torch releases.
-        lines.append(f"param_groups[{idx}] lr={group['lr']}: {', '.join(group['params'])}")
-    return "\n".join(lines)
+        rows[f"param_groups[{idx}] lr={group['lr']}"] = ", ".join(group["params"])
+    return rows
 
 
-def render_model_state_dict(msd: dict[str, Any]) -> str:
-    return "\n".join(f"{fqn}: {_describe_value(msd[fqn])}" for fqn in sorted(msd))
+def model_state_dict_rows(msd: dict[str, Any]) -> dict[str, str]:
+    return {fqn: _describe_value(msd[fqn]) for fqn in sorted(msd)}

@@ -18,6 +18,7 @@ from _fsdp_cases import (
     describe_error,
     evaluate,
     get_optimizer_state_dict,
+    render_before_after,
     set_optimizer_state_dict,
     train_step,
     unpatched_then_patched,
@@ -36,7 +37,7 @@ def _kinds(err: BaseException) -> str:
     return "/".join(kind.__name__ for kind in (KeyError, ValueError) if isinstance(err, kind))
 
 
-def _calls(model, optims, fsdp2: bool) -> list[str]:
+def _calls(model, optims, fsdp2: bool, module: str) -> dict[str, str]:
     """The three lookups that meet the param: get, FQN-keyed set, flattened set."""
     saved = clone(get_optimizer_state_dict(model, optims))
     saved_flat = clone(get_optimizer_state_dict(model, optims, options=FLATTENED))
@@ -44,7 +45,7 @@ def _calls(model, optims, fsdp2: bool) -> list[str]:
     optims[0].add_param_group({"params": [nn.Parameter(torch.ones(()))]})
     if fsdp2:
         evaluate(model)
-    lines = []
+    outcomes = {}
     for name, call in (
         ("get_optimizer_state_dict", lambda: get_optimizer_state_dict(model, optims)),
         ("set_optimizer_state_dict", lambda: set_optimizer_state_dict(model, optims, saved)),
@@ -56,14 +57,14 @@ def _calls(model, optims, fsdp2: bool) -> list[str]:
         try:
             call()
         except Exception as err:  # noqa: BLE001 - the message is what we pin
-            lines.append(f"{name}: [{_kinds(err)}] {describe_error(err)}")
+            outcomes[f"{module}: {name}"] = f"[{_kinds(err)}] {describe_error(err)}"
         else:
-            lines.append(f"{name}: ok")
-    return lines
+            outcomes[f"{module}: {name}"] = "ok"
+    return outcomes
 
 
-def foreign_param_worker() -> dict[str, list[str]]:
-    def run(label: str) -> dict[str, list[str]]:
+def foreign_param_worker() -> dict[str, dict[str, str]]:
+    def run(_label: str) -> dict[str, str]:
         model, optims, _ = build(CASES["root_none"])
         train_step(model, optims, 0)
         torch.manual_seed(0)
@@ -73,36 +74,26 @@ def foreign_param_worker() -> dict[str, list[str]]:
         plain_optims[0].step()
         # A plain module without FSDP gets the error without the FSDP2 hint.
         return {
-            label: _calls(model, optims, fsdp2=True),
-            f"plain {label}": _calls(plain, plain_optims, fsdp2=False),
+            **_calls(model, optims, fsdp2=True, module="FSDP2 model"),
+            **_calls(plain, plain_optims, fsdp2=False, module="plain module"),
         }
 
-    runs = unpatched_then_patched(run)
-    return {**runs["unpatched"], **runs["patched"]}
+    return unpatched_then_patched(run)
 
 
 class ForeignOptimizerParamTest(expecttest.TestCase):
     def test_foreign_param_error(self) -> None:
         results = run_ranks(2, foreign_param_worker)
         self.assertEqual(results[0], results[1])
-        result = results[0]
         # The root is unsharded after the evaluation: stock fails on the model's params.
-        self.assertExpectedInline("\n".join(result["unpatched"]), """\
-get_optimizer_state_dict: [KeyError] KeyError: 0
-set_optimizer_state_dict: [KeyError] KeyError: <DTensor>
-set_optimizer_state_dict, flattened: [KeyError] KeyError: <DTensor>""")
-        self.assertExpectedInline("\n".join(result["patched"]), """\
-get_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
-set_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
-set_optimizer_state_dict, flattened: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.""")
-        self.assertExpectedInline("\n".join(result["plain unpatched"]), """\
-get_optimizer_state_dict: [KeyError] KeyError: 2
-set_optimizer_state_dict: [KeyError] KeyError: <Parameter>
-set_optimizer_state_dict, flattened: [KeyError] KeyError: <Parameter>""")
-        self.assertExpectedInline("\n".join(result["plain patched"]), """\
-get_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
-set_optimizer_state_dict: [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
-set_optimizer_state_dict, flattened: [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.""")
+        self.assertExpectedInline(render_before_after(results[0]), """\
+                                                  | stock -> backport applied
+FSDP2 model: get_optimizer_state_dict             | [KeyError] KeyError: 0 -> [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
+FSDP2 model: set_optimizer_state_dict             | [KeyError] KeyError: <DTensor> -> [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
+FSDP2 model: set_optimizer_state_dict, flattened  | [KeyError] KeyError: <DTensor> -> [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
+plain module: get_optimizer_state_dict            | [KeyError] KeyError: 2 -> [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
+plain module: set_optimizer_state_dict            | [KeyError] KeyError: <Parameter> -> [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.
+plain module: set_optimizer_state_dict, flattened | [KeyError] KeyError: <Parameter> -> [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.""")
 
 
 def _raise(*_) -> None:

@@ -7,7 +7,9 @@ reference tensors and the next two training steps gave bitwise the losses of
 a run that never evaluated or checkpointed.
 """
 
+import dataclasses
 import unittest
+from typing import Any
 
 import expecttest
 import pytest
@@ -18,11 +20,13 @@ from _fsdp_cases import (
     Case,
     TinyLM,
     _set_model_per_module,
+    before_after,
     build,
     get_model_state_dict,
-    render_outcomes,
+    render_outcome_groups,
     run_agreed,
     run_case,
+    side_by_side,
     unpatched_then_patched,
 )
 
@@ -32,21 +36,23 @@ pytestmark = pytest.mark.ranks
 
 FULL = (("full_state_dict", True),)
 FABRIC_LOAD = "set_model_per_module"
+
+
+def _and_full(name: str, case: Case) -> dict[str, Case]:
+    """``case``, and the same with a full state dict under ``name``_full."""
+    return {name: case, f"{name}_full": dataclasses.replace(case, options=FULL)}
+
+
 SETUPS: dict[str, Case] = {
-    "frozen_root_group": Case(frozen=True, tail=True),
-    "frozen_root_group_full": Case(frozen=True, tail=True, options=FULL),
+    **_and_full("frozen_root_group", Case(frozen=True, tail=True)),
     "tied_weights": Case(tied=True),
-    "explicit_unshard": Case(unshard=True),
-    "explicit_unshard_full": Case(unshard=True, options=FULL),
+    **_and_full("explicit_unshard", Case(unshard=True)),
     "mixed_precision": Case(mixed_precision=True),
     "offload_policy": Case(offload_policy=True),
     "checkpoint_wrapper": Case(checkpoint_wrapper=True),
     "compile": Case(compile=True),
 }
-INT_FROZEN_SETUPS: dict[str, Case] = {
-    "raf_int_frozen": Case(root=RAF_INT, blocks=RAF_INT, frozen=True),
-    "raf_int_frozen_full": Case(root=RAF_INT, blocks=RAF_INT, frozen=True, options=FULL),
-}
+INT_FROZEN_SETUPS = _and_full("raf_int_frozen", Case(root=RAF_INT, blocks=RAF_INT, frozen=True))
 
 
 def _calls(case: Case) -> dict:
@@ -56,7 +62,7 @@ def _calls(case: Case) -> dict:
     return {**CALLS, FABRIC_LOAD: _set_model_per_module}
 
 
-def setups_worker(setups: dict[str, Case]) -> dict[str, str]:
+def setups_worker(setups: dict[str, Case]) -> dict[str, Any]:
     outcomes = unpatched_then_patched(
         lambda _label: {
             name: run_case(case, _calls(case), check_losses=True) for name, case in setups.items()
@@ -70,67 +76,51 @@ def setups_worker(setups: dict[str, Case]) -> dict[str, str]:
             model, _, options = build(case)
             same = sorted(get_model_state_dict(model, options=options)) == plain_fqns
             fqns.append(f"{name}: FQNs {'same as' if same else 'differ from'} the unwrapped model")
-    return {
-        "before": render_outcomes(outcomes["unpatched"]),
-        "after": render_outcomes(outcomes["patched"]),
-        "fqns": "\n".join(fqns),
-    }
+    return {**outcomes, "fqns": "\n".join(fqns)}
 
 
 class EvalStateDictSetupsTest(expecttest.TestCase):
     def test_setups_world_size_2(self) -> None:
         result = run_agreed(2, setups_worker, SETUPS)
-        self.assertExpectedInline(result["before"], """\
+        self.assertExpectedInline(render_outcome_groups(result["unpatched"]), """\
 frozen_root_group: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
-frozen_root_group_full: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
-frozen_root_group_full: set_model, set_state -> RuntimeError: Error(s) in loading state_dict for FSDPTinyLM:
-tied_weights: get_optim -> KeyError: 0
-tied_weights: set_optim, set_state -> KeyError: <DTensor>
-tied_weights: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
-explicit_unshard: get_optim -> KeyError: 0
-explicit_unshard: set_optim, set_state -> KeyError: <DTensor>
-explicit_unshard: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
-explicit_unshard_full: get_optim -> KeyError: 0
-explicit_unshard_full: set_optim, set_state -> KeyError: <DTensor>
-explicit_unshard_full: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
-explicit_unshard_full: set_model -> RuntimeError: Error(s) in loading state_dict for FSDPTinyLM:
-mixed_precision: get_optim -> KeyError: 0
-mixed_precision: set_optim, set_state -> KeyError: <DTensor>
-mixed_precision: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
-offload_policy: get_optim -> KeyError: 0
-offload_policy: set_optim, set_state -> KeyError: <DTensor>
-offload_policy: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
-checkpoint_wrapper: get_optim -> KeyError: 0
-checkpoint_wrapper: set_optim, set_state -> KeyError: <DTensor>
-compile: get_optim -> KeyError: 0
-compile: set_optim, set_state -> KeyError: <DTensor>""")
-        self.assertExpectedInline(result["after"], """\
-frozen_root_group: all 7 calls ok
-frozen_root_group_full: all 7 calls ok
-tied_weights: all 7 calls ok
-explicit_unshard: all 7 calls ok
-explicit_unshard_full: all 7 calls ok
-mixed_precision: all 7 calls ok
-offload_policy: all 7 calls ok
-checkpoint_wrapper: all 6 calls ok
-compile: all 6 calls ok""")
+frozen_root_group_full:
+    set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
+    set_model, set_state -> RuntimeError: Error(s) in loading state_dict for FSDPTinyLM:
+tied_weights, explicit_unshard, mixed_precision, offload_policy:
+    get_optim -> KeyError: 0
+    set_optim, set_state -> KeyError: <DTensor>
+    set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
+explicit_unshard_full:
+    get_optim -> KeyError: 0
+    set_optim, set_state -> KeyError: <DTensor>
+    set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
+    set_model -> RuntimeError: Error(s) in loading state_dict for FSDPTinyLM:
+checkpoint_wrapper, compile:
+    get_optim -> KeyError: 0
+    set_optim, set_state -> KeyError: <DTensor>""")
+        self.assertExpectedInline(render_outcome_groups(result["patched"]), """\
+frozen_root_group, frozen_root_group_full, tied_weights, explicit_unshard, explicit_unshard_full, mixed_precision, offload_policy: all 7 calls ok
+checkpoint_wrapper, compile: all 6 calls ok""")
         self.assertExpectedInline(result["fqns"], """\
 checkpoint_wrapper: FQNs same as the unwrapped model
 compile: FQNs same as the unwrapped model""")
 
     def test_reshard_after_forward_int_frozen_world_size_4(self) -> None:
         result = run_agreed(4, setups_worker, INT_FROZEN_SETUPS)
-        self.assertExpectedInline(result["before"], """\
-raf_int_frozen: get_optim -> KeyError: 0
-raf_int_frozen: set_optim, set_state -> KeyError: <DTensor>
-raf_int_frozen: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
-raf_int_frozen_full: get_optim -> KeyError: 0
-raf_int_frozen_full: set_optim, set_state -> KeyError: <DTensor>
-raf_int_frozen_full: set_model_per_module -> RuntimeError: Error(s) in loading state_dict for Embedding:
-raf_int_frozen_full: set_model -> RuntimeError: Error(s) in loading state_dict for FSDPTinyLM:""")
-        self.assertExpectedInline(result["after"], """\
-raf_int_frozen: all 7 calls ok
-raf_int_frozen_full: all 7 calls ok""")
+        columns = {
+            name: before_after(result["unpatched"][name], result["patched"][name])
+            for name in INT_FROZEN_SETUPS
+        }
+        self.assertExpectedInline(side_by_side(columns, "stock -> backport applied"), """\
+stock -> backport applied | raf_int_frozen                                                    | raf_int_frozen_full
+get_model                 | ok                                                                | ok
+get_optim                 | KeyError: 0 -> ok                                                 | KeyError: 0 -> ok
+get_state                 | ok                                                                | ok
+set_model                 | ok                                                                | RuntimeError: Error(s) in loading state_dict for FSDPTinyLM: -> ok
+set_optim                 | KeyError: <DTensor> -> ok                                         | KeyError: <DTensor> -> ok
+set_state                 | KeyError: <DTensor> -> ok                                         | KeyError: <DTensor> -> ok
+set_model_per_module      | RuntimeError: Error(s) in loading state_dict for Embedding: -> ok | RuntimeError: Error(s) in loading state_dict for Embedding: -> ok""")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import pytest
 from torch.distributed.fsdp import fully_shard
 
 import backport
-from _fsdp_cases import evaluate, outcome_of
+from _fsdp_cases import evaluate, outcome_of, side_by_side
 from _ranks import run_ranks
 from test_lightning_fabric import _parallelize as _parallelize_mixed
 from test_lightning_fabric import _setup, _states, perturb_then_load
@@ -95,7 +95,7 @@ def _parallelize_root_only(model, device_mesh):
 
 def _save_and_load_after_evaluation(
     directory: Path, parallelize_fn, sharded: bool, optimizer_first: bool
-) -> str:
+) -> dict[str, str]:
     """Train a step and save; evaluate, save again; perturb, evaluate, load each save."""
     fabric, model, optimizer = _setup(sharded, parallelize_fn)
     saved = _states(model, optimizer)
@@ -111,20 +111,19 @@ def _save_and_load_after_evaluation(
     def load(name: str) -> str:
         return perturb_then_load(fabric, directory / name, model, optimizer, saved, True)
 
-    outcomes = [
-        f"save after eval -> {saved_after_eval}",
-        f"load after eval -> {load('before-eval')}",
-    ]
+    outcomes = {
+        "save after eval": saved_after_eval,
+        "load after eval": load("before-eval"),
+    }
     # The outcome, shared by every rank, decides; files a failed save left do not.
-    if saved_after_eval == "ok":
-        outcomes.append(f"load of the save after eval -> {load('after-eval')}")
+    outcomes["load of the save after eval"] = load("after-eval") if saved_after_eval == "ok" else "-"
     # Lightning's "Could not find a distributed model ..." goes on for three sentences.
-    return "\n    ".join(outcome.split(". ")[0] for outcome in outcomes)
+    return {step: outcome.split(". ")[0] for step, outcome in outcomes.items()}
 
 
 def scenarios_worker(
     patched_module: str | None, with_backport: bool, checkpoint_dir: str
-) -> dict[str, str]:
+) -> dict[str, dict[str, str]]:
     """Every scenario on Lightning as installed or patched, with or without the backport."""
     if patched_module is not None:
         sys.meta_path.insert(0, _PatchedModuleFinder(patched_module))
@@ -152,8 +151,13 @@ def scenarios_worker(
     }
 
 
-def _render(outcomes: dict[str, str]) -> str:
-    return "\n".join(f"{label}:\n    {text}" for label, text in outcomes.items())
+def _column(scenarios: dict[str, dict[str, str]]) -> dict[str, str]:
+    """{"scenario: step": outcome}, a column of the table."""
+    return {
+        f"{label}: {step}": outcome
+        for label, steps in scenarios.items()
+        for step, outcome in steps.items()
+    }
 
 
 @unittest.skipUnless(
@@ -174,95 +178,33 @@ class LightningPatchTest(expecttest.TestCase):
             }
         for world, by_rank in results.items():
             self.assertEqual(by_rank[0], by_rank[1], world)
-        self.assertExpectedInline(_render(results["stock"][0]), """\
-mixed, full:
-    save after eval -> ok
-    load after eval -> RuntimeError: Error(s) in loading state_dict for Embedding:
-    load of the save after eval -> RuntimeError: Error(s) in loading state_dict for Embedding:
-rootless, full:
-    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-rootless, distributed:
-    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-root only, full:
-    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-root only, distributed:
-    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-mixed, full, optimizer first:
-    save after eval -> KeyError: 0
-    load after eval -> RuntimeError: Error(s) in loading state_dict for Embedding:
-mixed, distributed, optimizer first:
-    save after eval -> KeyError: 0
-    load after eval -> restored exactly
-mixed, distributed:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly""")
-        self.assertExpectedInline(_render(results["patched"][0]), """\
-mixed, full:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly
-rootless, full:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly
-rootless, distributed:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly
-root only, full:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly
-root only, distributed:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly
-mixed, full, optimizer first:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly
-mixed, distributed, optimizer first:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly
-mixed, distributed:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly""")
-        self.assertExpectedInline(_render(results["stock, backport applied"][0]), """\
-mixed, full:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly
-rootless, full:
-    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-rootless, distributed:
-    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-root only, full:
-    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-root only, distributed:
-    save after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-    load after eval -> ValueError: Could not find a distributed model in the provided checkpoint state
-mixed, full, optimizer first:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly
-mixed, distributed, optimizer first:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly
-mixed, distributed:
-    save after eval -> ok
-    load after eval -> restored exactly
-    load of the save after eval -> restored exactly""")
+        table = side_by_side({world: _column(by_rank[0]) for world, by_rank in results.items()})
+        self.assertExpectedInline(table, """\
+                                                                 | stock                                                                           | patched          | stock, backport applied
+mixed, full: save after eval                                     | ok                                                                              | ok               | ok
+mixed, full: load after eval                                     | RuntimeError: Error(s) in loading state_dict for Embedding:                     | restored exactly | restored exactly
+mixed, full: load of the save after eval                         | RuntimeError: Error(s) in loading state_dict for Embedding:                     | restored exactly | restored exactly
+rootless, full: save after eval                                  | ValueError: Could not find a distributed model in the provided checkpoint state | ok               | ValueError: Could not find a distributed model in the provided checkpoint state
+rootless, full: load after eval                                  | ValueError: Could not find a distributed model in the provided checkpoint state | restored exactly | ValueError: Could not find a distributed model in the provided checkpoint state
+rootless, full: load of the save after eval                      | -                                                                               | restored exactly | -
+rootless, distributed: save after eval                           | ValueError: Could not find a distributed model in the provided checkpoint state | ok               | ValueError: Could not find a distributed model in the provided checkpoint state
+rootless, distributed: load after eval                           | ValueError: Could not find a distributed model in the provided checkpoint state | restored exactly | ValueError: Could not find a distributed model in the provided checkpoint state
+rootless, distributed: load of the save after eval               | -                                                                               | restored exactly | -
+root only, full: save after eval                                 | ValueError: Could not find a distributed model in the provided checkpoint state | ok               | ValueError: Could not find a distributed model in the provided checkpoint state
+root only, full: load after eval                                 | ValueError: Could not find a distributed model in the provided checkpoint state | restored exactly | ValueError: Could not find a distributed model in the provided checkpoint state
+root only, full: load of the save after eval                     | -                                                                               | restored exactly | -
+root only, distributed: save after eval                          | ValueError: Could not find a distributed model in the provided checkpoint state | ok               | ValueError: Could not find a distributed model in the provided checkpoint state
+root only, distributed: load after eval                          | ValueError: Could not find a distributed model in the provided checkpoint state | restored exactly | ValueError: Could not find a distributed model in the provided checkpoint state
+root only, distributed: load of the save after eval              | -                                                                               | restored exactly | -
+mixed, full, optimizer first: save after eval                    | KeyError: 0                                                                     | ok               | ok
+mixed, full, optimizer first: load after eval                    | RuntimeError: Error(s) in loading state_dict for Embedding:                     | restored exactly | restored exactly
+mixed, full, optimizer first: load of the save after eval        | -                                                                               | restored exactly | restored exactly
+mixed, distributed, optimizer first: save after eval             | KeyError: 0                                                                     | ok               | ok
+mixed, distributed, optimizer first: load after eval             | restored exactly                                                                | restored exactly | restored exactly
+mixed, distributed, optimizer first: load of the save after eval | -                                                                               | restored exactly | restored exactly
+mixed, distributed: save after eval                              | ok                                                                              | ok               | ok
+mixed, distributed: load after eval                              | restored exactly                                                                | restored exactly | restored exactly
+mixed, distributed: load of the save after eval                  | restored exactly                                                                | restored exactly | restored exactly""")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 from _fsdp_cases import (
     Case,
     build,
-    render_outcomes,
+    render_outcome_groups,
     run_agreed,
     run_case,
     unpatched_then_patched,
@@ -50,7 +50,7 @@ def torch27_worker() -> dict[str, str]:
     outcomes = unpatched_then_patched(
         lambda _label: {name: run_case(case) for name, case in CASES_27.items()}
     )
-    return {label: render_outcomes(result) for label, result in outcomes.items()}
+    return {label: render_outcome_groups(result) for label, result in outcomes.items()}
 
 
 def root_none_worker() -> dict[str, str]:
@@ -69,32 +69,15 @@ class Torch27Test(expecttest.TestCase):
     def test_every_root_group_stays_unsharded(self) -> None:
         result = run_agreed(2, torch27_worker)
         self.assertExpectedInline(result["unpatched"], """\
-root_true: get_optim -> KeyError: 0
-root_true: set_optim, set_state -> KeyError: <DTensor>
-root_false: get_optim -> KeyError: 0
-root_false: set_optim, set_state -> KeyError: <DTensor>
-blocks_false_root_true: get_optim -> KeyError: 0
-blocks_false_root_true: set_optim, set_state -> KeyError: <DTensor>
-tail_group_false: get_optim -> KeyError: 0
-tail_group_false: set_optim, set_state -> KeyError: <DTensor>
-tied_weights_root_true: get_optim -> KeyError: 0
-tied_weights_root_true: set_optim, set_state -> KeyError: <DTensor>
-lora_root_true: get_optim -> KeyError: 0
-lora_root_true: set_optim, set_state -> KeyError: <DTensor>
-full_state_dict_root_true: get_optim -> KeyError: 0
-full_state_dict_root_true: set_optim, set_state -> KeyError: <DTensor>
-full_state_dict_root_true: set_model -> RuntimeError: Error(s) in loading state_dict for FSDPTinyLM:
-unshard_root_true: get_optim -> KeyError: 0
-unshard_root_true: set_optim, set_state -> KeyError: <DTensor>""")
+root_true, root_false, blocks_false_root_true, tail_group_false, tied_weights_root_true, lora_root_true, unshard_root_true:
+    get_optim -> KeyError: 0
+    set_optim, set_state -> KeyError: <DTensor>
+full_state_dict_root_true:
+    get_optim -> KeyError: 0
+    set_optim, set_state -> KeyError: <DTensor>
+    set_model -> RuntimeError: Error(s) in loading state_dict for FSDPTinyLM:""")
         self.assertExpectedInline(result["patched"], """\
-root_true: all 6 calls ok
-root_false: all 6 calls ok
-blocks_false_root_true: all 6 calls ok
-tail_group_false: all 6 calls ok
-tied_weights_root_true: all 6 calls ok
-lora_root_true: all 6 calls ok
-full_state_dict_root_true: all 6 calls ok
-unshard_root_true: all 6 calls ok""")
+root_true, root_false, blocks_false_root_true, tail_group_false, tied_weights_root_true, lora_root_true, full_state_dict_root_true, unshard_root_true: all 6 calls ok""")
 
     def test_root_none_is_rejected_with_and_without_the_fix(self) -> None:
         results = run_ranks(2, root_none_worker)

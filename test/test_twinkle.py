@@ -26,7 +26,14 @@ import unittest
 import expecttest
 import pytest
 
-from _fsdp_cases import clone, differences, outcome_of, perturb, unpatched_then_patched
+from _fsdp_cases import (
+    clone,
+    differences,
+    outcome_of,
+    perturb,
+    render_before_after_columns,
+    unpatched_then_patched,
+)
 from _ranks import run_ranks
 
 
@@ -35,11 +42,21 @@ pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
 
 HAS_TWINKLE = importlib.util.find_spec("twinkle") is not None
 VOCAB = 64
-# What every full-parameter case gives with the fix.
-FIXED_FULL_PARAMETERS = """\
-optimizer: 21 params
-save_optimizer_checkpoint after eval: ok
-load_optimizer_checkpoint after eval: ok, restored exactly"""
+# (strategy, fsdp_config, lora) per column of the table.
+CASES = {
+    # accelerate builds its [norm, lm_head] tail group with reshard_after_forward=False.
+    "accelerate": ("accelerate", {}, False),
+    "accelerate, reshard_after_forward=False": (
+        "accelerate", {"reshard_after_forward": False}, False
+    ),
+    "accelerate, LoRA on lm_head": ("accelerate", {}, True),
+    "native_fsdp, reshard_after_forward=False": (
+        "native_fsdp", {"reshard_after_forward": False}, False
+    ),
+    # The control: twinkle passes reshard_after_forward=True to every group, the root
+    # included, which FSDP2 honours for the root from torch 2.8 (pytorch#154704/#155319).
+    "native_fsdp": ("native_fsdp", {}, False),
+}
 
 
 def _point_twinkle_at_cpu() -> None:
@@ -193,51 +210,13 @@ class TwinkleOptimizerCheckpointAfterEvalTest(expecttest.TestCase):
         )
         return results[0]
 
-    def test_accelerate_full_parameters(self) -> None:
-        # accelerate builds its [norm, lm_head] tail group with reshard_after_forward=False.
-        result = self._run("accelerate", {})
-        self.assertExpectedInline(result["unpatched"], """\
-optimizer: 21 params
-save_optimizer_checkpoint after eval: KeyError: 15
-load_optimizer_checkpoint after eval: KeyError: <DTensor>""")
-        self.assertEqual(result["patched"], FIXED_FULL_PARAMETERS)
-
-    def test_accelerate_reshard_after_forward_false(self) -> None:
-        result = self._run("accelerate", {"reshard_after_forward": False})
-        self.assertExpectedInline(result["unpatched"], """\
-optimizer: 21 params
-save_optimizer_checkpoint after eval: KeyError: 0
-load_optimizer_checkpoint after eval: KeyError: <DTensor>""")
-        self.assertEqual(result["patched"], FIXED_FULL_PARAMETERS)
-
-    def test_accelerate_lora_on_lm_head(self) -> None:
-        result = self._run("accelerate", {}, lora=True)
-        self.assertExpectedInline(result["unpatched"], """\
-optimizer: 10 params, 10 of them LoRA
-save_optimizer_checkpoint after eval: KeyError: 8
-load_optimizer_checkpoint after eval: KeyError: <DTensor>""")
-        self.assertExpectedInline(result["patched"], """\
-optimizer: 10 params, 10 of them LoRA
-save_optimizer_checkpoint after eval: ok
-load_optimizer_checkpoint after eval: ok, restored exactly""")
-
-    def test_native_fsdp_reshard_after_forward_false(self) -> None:
-        result = self._run("native_fsdp", {"reshard_after_forward": False})
-        self.assertExpectedInline(result["unpatched"], """\
-optimizer: 21 params
-save_optimizer_checkpoint after eval: KeyError: 0
-load_optimizer_checkpoint after eval: KeyError: <DTensor>""")
-        self.assertEqual(result["patched"], FIXED_FULL_PARAMETERS)
-
-    def test_native_fsdp_default_control(self) -> None:
-        # twinkle passes reshard_after_forward=True to every group, the root included,
-        # which FSDP2 honours for the root from torch 2.8 (pytorch#154704/#155319).
-        result = self._run("native_fsdp", {})
-        self.assertExpectedInline(result["unpatched"], """\
-optimizer: 21 params
-save_optimizer_checkpoint after eval: ok
-load_optimizer_checkpoint after eval: ok, restored exactly""")
-        self.assertEqual(result["patched"], result["unpatched"])
+    def test_checkpoint_after_eval(self) -> None:
+        results = {name: self._run(*case) for name, case in CASES.items()}
+        self.assertExpectedInline(render_before_after_columns(results), """\
+stock -> backport applied            | accelerate                                  | accelerate, reshard_after_forward=False     | accelerate, LoRA on lm_head                 | native_fsdp, reshard_after_forward=False    | native_fsdp
+optimizer                            | 21 params                                   | 21 params                                   | 10 params, 10 of them LoRA                  | 21 params                                   | 21 params
+save_optimizer_checkpoint after eval | KeyError: 15 -> ok                          | KeyError: 0 -> ok                           | KeyError: 8 -> ok                           | KeyError: 0 -> ok                           | ok
+load_optimizer_checkpoint after eval | KeyError: <DTensor> -> ok, restored exactly | KeyError: <DTensor> -> ok, restored exactly | KeyError: <DTensor> -> ok, restored exactly | KeyError: <DTensor> -> ok, restored exactly | ok, restored exactly""")
 
 
 if __name__ == "__main__":
