@@ -218,7 +218,9 @@ def _unowned_optim_param_error(
     )
     # FSDP2 registers the unsharded parameter (a plain tensor) or the sharded
     # one (a DTensor of the same global shape): the one the model holds in
-    # place of ``param`` tells which state the optimizer missed.
+    # place of ``param`` tells which state the optimizer missed. With an int
+    # reshard_after_forward (a DTensor on the post-forward mesh) or under TP
+    # both forms are DTensors, so those setups get no hint.
     is_dtensor = isinstance(param, DTensor)
     counterparts = [
         repr(fqn)
@@ -232,21 +234,23 @@ def _unowned_optim_param_error(
     if counterparts and is_dtensor:
         msg += (
             f" The model holds a plain tensor of that shape instead ({names}), as "
-            "FSDP2 does while the group that owns the parameter is unsharded: "
-            "after a forward without backward, after an exception in forward or "
-            "backward (call FSDPModule.reset_iter_state() on the root module "
-            "first), or because the module passed in does not hold the FSDP "
-            "module that owns the group, e.g. the second owner of a tied weight. "
-            "Call reshard() on the model's FSDP modules on every rank, or pass "
-            "the root module."
+            "FSDP2 does while the group that owns the parameter is unsharded, e.g. "
+            "after a forward without backward. Call reshard() on the model's FSDP "
+            "modules on every rank (after an exception in forward, "
+            "reset_iter_state() on the root first), or pass the root module."
         )
-    elif counterparts:
+    # A plain tensor of the same shape may be any parameter outside the model;
+    # only storage that reshard() freed marks an unsharded FSDP2 parameter.
+    elif (
+        counterparts
+        and torch._C._has_storage(param)
+        and param.untyped_storage().size() == 0
+    ):
         msg += (
-            f" The model holds a DTensor of that shape instead ({names}): an "
-            "optimizer built while FSDP2 modules were unsharded (after a forward "
-            "without backward, or FSDPModule.unshard()) holds parameters that "
-            "FSDP2 has replaced since: build it from model.parameters() right "
-            "after fully_shard()."
+            f" The model holds a DTensor of that shape instead ({names}) and this "
+            "parameter's storage is freed: the optimizer was built while FSDP2 "
+            "modules were unsharded. Build it from model.parameters() right after "
+            "fully_shard()."
         )
     return OptimizerParamNotInModelError(msg)
 

@@ -6,8 +6,10 @@ import unittest
 import expecttest
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import backport
 from _fsdp_cases import (
@@ -96,6 +98,37 @@ plain module: set_optimizer_state_dict            | [KeyError] KeyError: <Parame
 plain module: set_optimizer_state_dict, flattened | [KeyError] KeyError: <Parameter> -> [KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[1]['params'][0] (Parameter of shape ()). Pass the model that owns every parameter of the optimizer.""")
 
 
+def same_shape_head_worker() -> dict[str, str]:
+    def run(label: str) -> str:
+        torch.manual_seed(0)
+        model = nn.Linear(8, 8)
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        # A projection head outside the model, of the model's weight's shape
+        head = nn.Linear(8, 8)
+        optim = torch.optim.Adam([*model.parameters(), *head.parameters()], lr=0.1)
+        head(model(torch.ones(2, 8))).sum().backward()
+        optim.step()
+        try:
+            get_optimizer_state_dict(model, optim)
+        except Exception as err:  # noqa: BLE001 - the message is what we pin
+            return f"[{_kinds(err)}] {describe_error(err)}"
+        return "ok"
+
+    return unpatched_then_patched(run)
+
+
+class SameShapeParamOutsideTest(expecttest.TestCase):
+    """A plain parameter outside an FSDP2 model, of a model parameter's shape."""
+
+    def test_no_fsdp2_hint(self) -> None:
+        # Its storage is live, so it is no unsharded FSDP2 parameter: the error
+        # names no FSDP2 cause.
+        results = run_ranks(2, same_shape_head_worker)
+        self.assertEqual(results[0], results[1])
+        self.assertExpectedInline(results[0]["unpatched"], """[KeyError] KeyError: 2""")
+        self.assertExpectedInline(results[0]["patched"], """[KeyError/ValueError] OptimizerParamNotInModelError: Adam holds a parameter that the model does not own: param_groups[0]['params'][2] (Parameter of shape (8, 8)). Pass the model that owns every parameter of the optimizer.""")
+
+
 def _raise(*_) -> None:
     raise RuntimeError("aborted")
 
@@ -140,7 +173,7 @@ class AbortedForwardTest(expecttest.TestCase):
 after the exception: [KeyError] KeyError: 0
 after reset_iter_state(): ok""")
         self.assertExpectedInline("\n".join(results[0]["patched"]), """\
-after the exception: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0] (DTensor of shape (16, 8)). Pass the model that owns every parameter of the optimizer. The model holds a plain tensor of that shape instead ('embed.weight', 'head.weight'), as FSDP2 does while the group that owns the parameter is unsharded: after a forward without backward, after an exception in forward or backward (call FSDPModule.reset_iter_state() on the root module first), or because the module passed in does not hold the FSDP module that owns the group, e.g. the second owner of a tied weight. Call reshard() on the model's FSDP modules on every rank, or pass the root module.
+after the exception: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0] (DTensor of shape (16, 8)). Pass the model that owns every parameter of the optimizer. The model holds a plain tensor of that shape instead ('embed.weight', 'head.weight'), as FSDP2 does while the group that owns the parameter is unsharded, e.g. after a forward without backward. Call reshard() on the model's FSDP modules on every rank (after an exception in forward, reset_iter_state() on the root first), or pass the root module.
 after reset_iter_state(): ok""")
 
 

@@ -21,7 +21,8 @@ edits twice:
 Every process of both runs collects garbage before Python finalizes, which frees
 the gloo groups the test's models still hold and so avoids a torch race that can
 abort a rank at exit (``c10d_issue/ISSUE.md``). The installed torch is never
-modified. Exits 0 only if both hold at every stage.
+modified. Exits 0 only if both hold at every stage. ``--stage 0002`` (or
+``0001``, ``0001+0002``) proves that stage only.
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ def _apply(tree: Path, patch: Path) -> str:
 def _stages() -> list[list[Path]]:
     """Each patch alone, then the whole series."""
     return [[patch] for patch in PATCHES] + ([PATCHES] if len(PATCHES) > 1 else [])
+
+
+def _stage_name(patches: list[Path]) -> str:
+    return "+".join(patch.name[:4] for patch in patches)
 
 
 def _upstream_tests(patches: list[Path]) -> list[str]:
@@ -243,20 +248,31 @@ def main(argv: list[str] | None = None) -> int:
         "--apply-only", action="store_true",
         help="only apply each prefix to a copy of the installed file; run no test",
     )
+    parser.add_argument(
+        "--stage", choices=[_stage_name(patches) for patches in _stages()],
+        help="prove this stage only (a patch's number, or the series joined by +)",
+    )
     parser.add_argument("test_args", nargs="*", help="passed to the upstream test")
     args = parser.parse_args(argv)
+    stages = [
+        patches for patches in _stages()
+        if args.stage in (None, _stage_name(patches))
+    ]
 
     version, _ = _installed_state_dict()
     if args.apply_only:
-        for patches in _stages():
+        for patches in stages:
             with tempfile.TemporaryDirectory(prefix="torch_patch.") as scratch:
                 applied = _apply_to_copy(Path(scratch), patches)
             _print_applied(version, patches, applied)
         return 0
     # Every stage runs and reports, also after one fails.
-    results = [_prove(patches, args.test_args, args.keep) for patches in _stages()]
+    results = [_prove(patches, args.test_args, args.keep) for patches in stages]
     proven = all(results)
-    print(f"result: {'the series fixes' if proven else 'NOT PROVEN on'} torch {version}")
+    if args.stage:
+        print(f"result: stage {args.stage} {'proven' if proven else 'NOT PROVEN'} on torch {version}")
+    else:
+        print(f"result: {'the series fixes' if proven else 'NOT PROVEN on'} torch {version}")
     return 0 if proven else 1
 
 
