@@ -39,6 +39,15 @@ def _kinds(err: BaseException) -> str:
     return "/".join(kind.__name__ for kind in (KeyError, ValueError) if isinstance(err, kind))
 
 
+def _get_optim_outcome(model, optim) -> str:
+    """'ok', or get_optimizer_state_dict's error with the types it can be caught as."""
+    try:
+        get_optimizer_state_dict(model, optim)
+    except Exception as err:  # noqa: BLE001 - the message is what we pin
+        return f"[{_kinds(err)}] {describe_error(err)}"
+    return "ok"
+
+
 def _calls(model, optims, fsdp2: bool, module: str) -> dict[str, str]:
     """The three lookups that meet the param: get, FQN-keyed set, flattened set."""
     saved = clone(get_optimizer_state_dict(model, optims))
@@ -108,11 +117,7 @@ def same_shape_head_worker() -> dict[str, str]:
         optim = torch.optim.Adam([*model.parameters(), *head.parameters()], lr=0.1)
         head(model(torch.ones(2, 8))).sum().backward()
         optim.step()
-        try:
-            get_optimizer_state_dict(model, optim)
-        except Exception as err:  # noqa: BLE001 - the message is what we pin
-            return f"[{_kinds(err)}] {describe_error(err)}"
-        return "ok"
+        return _get_optim_outcome(model, optim)
 
     return unpatched_then_patched(run)
 
@@ -191,11 +196,7 @@ def _state_keyed_by_name() -> str:
     optim = _NamedStateAdam(model.parameters(), lr=0.1)
     model(torch.ones(2)).sum().backward()
     optim.step()
-    try:
-        get_optimizer_state_dict(model, optim)
-    except Exception as err:  # noqa: BLE001 - the message is what we pin
-        return f"[{_kinds(err)}] {describe_error(err)}"
-    return "ok"
+    return _get_optim_outcome(model, optim)
 
 
 class StateKeyNotAParamIndexTest(expecttest.TestCase):
