@@ -17,7 +17,7 @@ which all six public state-dict functions call before anything else. It calls
 collective, a no-op on sharded groups) and, for a plain module passed in,
 FSDP2's own state-dict pre-hook on the modules below it, which reshards a group
 owned by an FSDP module above it (this last part is the backport's own; see
-lightning_patch/ for the upstream fix of its caller). Nothing else runs: no
+upstream/lightning_patch/ for the upstream fix of its caller). Nothing else runs: no
 other hook, no ``state_dict()``. ``_init_optim_state`` is wrapped so that a
 never-stepped optimizer holding a parameter whose storage FSDP2 has freed gets
 a ``ValueError``, not a crash; ``_get_optim_state_dict`` and
@@ -256,7 +256,7 @@ def _unowned_optim_param_error(
 
 
 # Backport only, not proposed to PyTorch (DSD must not depend on FSDP2's
-# private names; the Lightning change in lightning_patch/ fixes its caller):
+# private names; the Lightning change in upstream/lightning_patch/ fixes its caller):
 # the state_dict pre-hook that FSDP2 registers on each module holding its params.
 _FSDP2_TO_SHARDED_HOOK = (
     "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"

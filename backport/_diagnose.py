@@ -184,7 +184,7 @@ def _rank() -> dict[str, object]:
         dist.destroy_process_group()
         # A gloo group still referenced (FSDP2's mesh info, in reference cycles)
         # keeps its threads; one that outlives the interpreter's finalization
-        # aborts the rank (c10d_issue/ISSUE.md). Freeing the groups now joins them.
+        # aborts the rank (upstream/c10d_issue/ISSUE.md). Freeing the groups now joins them.
         gc.collect()
 
 

@@ -145,7 +145,7 @@ if __name__ == "__main__":
         main()
     finally:
         # A gloo group's worker threads that outlive the script can abort the
-        # process at exit (c10d_issue/ISSUE.md): end the group on every path,
+        # process at exit (upstream/c10d_issue/ISSUE.md): end the group on every path,
         # then free what main() left holding it, which joins those threads.
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -115,7 +115,7 @@ def _rank_main(env, tasks, results) -> None:
         # left behind) keeps its worker threads. One that drops the last
         # collective's tensors after the interpreter began to finalize cannot
         # take the GIL and aborts the rank ("terminate called without an active
-        # exception", c10d_issue/ISSUE.md). Freeing the groups now joins them.
+        # exception", upstream/c10d_issue/ISSUE.md). Freeing the groups now joins them.
         gc.collect()
 
 

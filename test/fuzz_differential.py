@@ -778,7 +778,7 @@ def run_configs(
         if failure is None:
             break
         if position >= len(items):
-            # Every run finished; a rank died at exit (c10d_issue/).
+            # Every run finished; a rank died at exit (upstream/c10d_issue/).
             print(f"every run finished, then: {failure[:300]}", file=sys.stderr)
             break
         if any(_has_rank_local_call(config) for config, _ in todo[:finished]):

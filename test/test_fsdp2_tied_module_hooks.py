@@ -1,4 +1,4 @@
-"""FSDP2 bug, pinned as it is today (fsdp2_issue/): tied weights' secondary module has no state-dict hooks.
+"""FSDP2 bug, pinned as it is today (upstream/fsdp2_issue/): tied weights' secondary module has no state-dict hooks.
 
 ``fully_shard`` registers its state-dict pre-hooks (``to_sharded``) and load
 pre-hooks only on the module that first owns a shared parameter
@@ -54,7 +54,7 @@ def _hooks(module: nn.Module) -> str:
 
 
 def _register_hooks_on_shared_modules(model: FSDPModule) -> None:
-    """What fsdp2_issue/ proposes, done from outside: the owner's hooks on shared modules."""
+    """What upstream/fsdp2_issue/ proposes, done from outside: the owner's hooks on shared modules."""
     group = model._get_fsdp_state()._fsdp_param_group
     for fsdp_param in group.fsdp_params:
         info = fsdp_param._module_info

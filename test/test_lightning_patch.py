@@ -1,4 +1,4 @@
-"""lightning_patch/ applied to the installed Lightning 2.6.6, on torch as installed (no backport).
+"""upstream/lightning_patch/ applied to the installed Lightning 2.6.6, on torch as installed (no backport).
 
 An evaluation (a forward under ``no_grad``) leaves FSDP2 groups with
 ``reshard_after_forward=False``, the root default, unsharded. Fabric then fails on
@@ -46,7 +46,7 @@ from test_lightning_fabric import _setup, _states, perturb_then_load
 pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
 
 
-PATCH = Path(__file__).parent.parent / "lightning_patch/modelparallel-reshard-fsdp2.patch"
+PATCH = Path(__file__).parent.parent / "upstream/lightning_patch/modelparallel-reshard-fsdp2.patch"
 MODULE = "lightning_fabric.strategies.model_parallel"
 
 

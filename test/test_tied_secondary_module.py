@@ -3,7 +3,7 @@
 The head's weight is the embedding's, in the root FSDP2 group, which stays
 unsharded after a ``no_grad`` forward (``reshard_after_forward=False``, the
 root's default). FSDP2 registers its resharding state-dict hook on the
-embedding only, the weight's owner (fsdp2_issue/), so nothing reachable from
+embedding only, the weight's owner (upstream/fsdp2_issue/), so nothing reachable from
 ``model.head`` can reshard that group: ``get_optimizer_state_dict(model.head,
 head_optim)`` cannot map the optimizer's DTensor to the head's unsharded
 weight. Stock torch raises a bare ``KeyError: 0``; with the backport the error

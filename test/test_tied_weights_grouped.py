@@ -4,7 +4,7 @@ FSDP2 in 2.13 and 2.14 (not 2.10) rejects a parameter shared by two
 ``fully_shard`` calls and asks for one call over both modules
 (``_validate_no_duplicate_params``). The first module of that list owns the shared weight,
 and FSDP2 registers its state-dict pre-hook (which reshards) on the owner only
-(fsdp2_issue/). With ``fully_shard([head, embedding])`` and a ``no_grad``
+(upstream/fsdp2_issue/). With ``fully_shard([head, embedding])`` and a ``no_grad``
 forward that leaves the group unsharded, ``model.state_dict()`` visits the
 hook-less embedding first and keeps its unsharded weight, then the head's hook
 reshards and frees that storage: ``0.weight`` is a plain tensor with no storage,

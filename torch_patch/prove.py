@@ -20,7 +20,7 @@ edits twice:
 
 Every process of both runs collects garbage before Python finalizes, which frees
 the gloo groups the test's models still hold and so avoids a torch race that can
-abort a rank at exit (``c10d_issue/ISSUE.md``). The installed torch is never
+abort a rank at exit (``upstream/c10d_issue/ISSUE.md``). The installed torch is never
 modified. Exits 0 only if both hold at every stage. ``--stage 0002`` (or
 ``0001``, ``0001+0002``) proves that stage only.
 """
@@ -57,7 +57,7 @@ CONTEXT_FALLBACK = ["-C1"]
 # spawns included. With TORCH_PATCH_STATE_DICT set (the patched run) it serves
 # that file for MODULE. In both runs it frees, before Python finalizes, the
 # gloo groups that the test's models still hold after destroy_process_group():
-# their worker threads otherwise can abort a rank at exit (c10d_issue/ISSUE.md).
+# their worker threads otherwise can abort a rank at exit (upstream/c10d_issue/ISSUE.md).
 SITECUSTOMIZE = f'''\
 import atexit
 import gc
