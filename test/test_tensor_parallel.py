@@ -11,24 +11,16 @@ import unittest
 
 import expecttest
 import pytest
-import torch
 
 from _fsdp_cases import (
     Case,
-    build,
-    clone,
-    evaluate,
-    get_optimizer_state_dict,
-    optimizer_state_summary,
-    outcome_of,
+    optimizer_built_after_evaluation_worker,
     render_before_after,
     run_agreed,
     run_case,
-    set_optimizer_state_dict,
     side_by_side,
     summarize,
     tp_mesh_shape,
-    train_step,
     unpatched_then_patched,
 )
 
@@ -66,37 +58,6 @@ def tp_matrix_worker(cases: dict[str, Case]) -> dict[str, dict[str, str]]:
             for name, case in cases.items()
         }
     )
-
-
-def tp_optimizer_built_after_eval_worker(tps: tuple[int, ...]) -> dict[str, str]:
-    """A new optimizer over the TP model's parameters, before and after an evaluation.
-
-    With SP every parameter is tensor parallel. Built before any forward the
-    optimizer holds the sharded 2-D DTensors, which DSD's zero-grad step()
-    initializes. Built after an evaluation it holds FSDP2's unsharded TP
-    DTensors, whose local tensors' storage the fix's reshard frees.
-    """
-
-    def run(tp: int, after_eval: bool) -> list[str]:
-        model, optims, _ = build(Case(tp=tp, sequence_parallel=True))
-        if after_eval:
-            train_step(model, optims, 0)
-            saved = clone(get_optimizer_state_dict(model, optims))
-            evaluate(model)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        name = f"tp={tp}, built {'after an evaluation' if after_eval else 'before any forward'}"
-        lines = [f"{name}, get: {optimizer_state_summary(model, [optim])}"]
-        if after_eval:
-            load = outcome_of(lambda: set_optimizer_state_dict(model, optim, clone(saved)))
-            lines.append(f"{name}, set: {load}")
-        return lines
-
-    def render(_label: str) -> str:
-        return "\n".join(
-            line for tp in tps for after_eval in (False, True) for line in run(tp, after_eval)
-        )
-
-    return unpatched_then_patched(render)
 
 
 class TensorParallelTest(expecttest.TestCase):
@@ -147,7 +108,9 @@ case                                                | stock                     
         )
 
     def test_optimizer_built_after_an_evaluation(self) -> None:
-        result = run_agreed(2, tp_optimizer_built_after_eval_worker, (1, 2))
+        # With SP every parameter is tensor parallel: the unsharded ones are TP DTensors.
+        cases = {f"tp={tp}": Case(tp=tp, sequence_parallel=True) for tp in (1, 2)}
+        result = run_agreed(2, optimizer_built_after_evaluation_worker, cases)
         self.assertExpectedInline(
             render_before_after(result),
             """\
