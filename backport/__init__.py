@@ -144,35 +144,42 @@ def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
 
     An optimizer built while FSDP2 modules were unsharded holds their unsharded
     parameters, whose storage ``reshard()`` frees by default; ``step()`` on one
-    writes to freed memory. A DTensor (FSDP2 with tensor parallelism, or an
-    ``int`` ``reshard_after_forward``) is checked through its local tensor.
-    Best effort: tensors without storage (sparse, mkldnn) and other tensor
-    subclasses, whose storage is a placeholder, are skipped.
+    writes to freed memory. A traceable wrapper subclass (a DTensor under
+    tensor parallelism or an ``int`` ``reshard_after_forward``, a quantized or
+    float8 training tensor) is checked through the inner tensors its
+    ``__tensor_flatten__`` names. Best effort: tensors without storage (sparse,
+    mkldnn) are skipped, and a wrapper subclass without ``__tensor_flatten__``
+    is checked by its placeholder storage, which is never empty.
     """
     import torch
-    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     for group_idx, param_group in enumerate(optim.param_groups):
         for param_idx, param in enumerate(param_group[_PARAMS]):
             if not param.requires_grad:
                 continue
-            local = param._local_tensor if isinstance(param, DTensor) else param
-            if (
-                not torch._C._has_storage(local)
-                or is_traceable_wrapper_subclass(local)
-                or local.numel() == 0
-            ):
-                continue
-            if local.untyped_storage().size() == 0:
-                raise ValueError(
-                    f"{type(optim).__name__} param_groups[{group_idx}]['params']"
-                    f"[{param_idx}] (shape {tuple(param.shape)}) has no allocated "
-                    "storage, e.g. an FSDP2 unsharded parameter freed by reshard(), "
-                    "so the optimizer cannot be stepped to initialize its state. "
-                    "Build the optimizer from model.parameters() right after "
-                    "fully_shard()."
-                )
+            tensors = [param]
+            while tensors:
+                tensor = tensors.pop()
+                if is_traceable_wrapper_subclass(tensor):
+                    inner_names, _ = tensor.__tensor_flatten__()
+                    # DTensor also names its (non-tensor) device_mesh.
+                    inner = (getattr(tensor, name) for name in inner_names)
+                    tensors.extend(t for t in inner if isinstance(t, torch.Tensor))
+                    continue
+                if (
+                    torch._C._has_storage(tensor)
+                    and tensor.numel() > 0
+                    and tensor.untyped_storage().size() == 0
+                ):
+                    raise ValueError(
+                        f"{type(optim).__name__} param_groups[{group_idx}]['params']"
+                        f"[{param_idx}] (shape {tuple(param.shape)}) has no allocated "
+                        "storage, e.g. an FSDP2 unsharded parameter freed by reshard(), "
+                        "so the optimizer cannot be stepped to initialize its state. "
+                        "Build the optimizer from model.parameters() right after "
+                        "fully_shard()."
+                    )
 
 
 def _unowned_optim_param_error(

@@ -120,6 +120,9 @@ class Case:
     tp: int = 0
     sequence_parallel: bool = False  # with tp: SP on the norm, as torchtitan plans
     fsdp: bool = True  # False with tp: tensor parallel only, no fully_shard
+    # The blocks' Linear weights as torchao's int8 mixed-precision training
+    # tensors: a wrapper subclass holding its data in an inner tensor.
+    int8_training: bool = False
 
 
 def raf_int(world_size: int) -> int:
@@ -170,6 +173,11 @@ def build(case: Case, seed: int = 0):
         model.blocks = nn.ModuleList(checkpoint_wrapper(block) for block in model.blocks)
     if case.frozen:
         model.embed.weight.requires_grad_(False)
+    if case.int8_training:
+        from torchao import quantize_
+        from torchao.prototype.quantized_training import int8_mixed_precision_training
+
+        quantize_(model.blocks, int8_mixed_precision_training())
     fsdp_kwargs: dict[str, Any] = {}
     if case.mixed_precision:
         fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -625,6 +633,41 @@ def optimizer_state_summary(model, optims) -> str:
     except ValueError as err:
         return f"ValueError: {err}"
     return f"ok, state for {len(osd['state'])} of {n_params} optimizer params"
+
+
+def optimizer_built_after_evaluation_worker(cases: dict[str, Case]) -> dict[str, str]:
+    """A new optimizer over each case's model, built before any forward and after an evaluation.
+
+    Built before any forward the optimizer holds FSDP2's sharded DTensors, which
+    DSD's zero-grad step() initializes. Built after an evaluation it holds the
+    unsharded parameters of the groups left unsharded, whose storage (for a
+    DTensor or another wrapper subclass, its inner tensors' storage) the fix's
+    reshard frees.
+    """
+
+    def run(name: str, case: Case, after_eval: bool) -> list[str]:
+        model, optims, _ = build(case)
+        if after_eval:
+            train_step(model, optims, 0)
+            saved = clone(get_optimizer_state_dict(model, optims))
+            evaluate(model, case)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        row = f"{name}, built {'after an evaluation' if after_eval else 'before any forward'}"
+        lines = [f"{row}, get: {optimizer_state_summary(model, [optim])}"]
+        if after_eval:
+            load = outcome_of(lambda: set_optimizer_state_dict(model, optim, clone(saved)))
+            lines.append(f"{row}, set: {load}")
+        return lines
+
+    def render(_label: str) -> str:
+        return "\n".join(
+            line
+            for name, case in cases.items()
+            for after_eval in (False, True)
+            for line in run(name, case, after_eval)
+        )
+
+    return unpatched_then_patched(render)
 
 
 def run_agreed(world_size: int, fn: Callable[..., Any], *args: Any) -> Any:

@@ -1,0 +1,84 @@
+"""FSDP2 parameters that are wrapper tensor subclasses: torchao's int8 training weights.
+
+torchao's ``int8_mixed_precision_training`` makes each Linear weight an
+``Int8MixedPrecisionTrainingLinearWeight``, which FSDP2 all-gathers through its
+``fsdp_pre_all_gather`` extension. Sharded, the parameter is a DTensor around
+such a tensor; unsharded, the tensor itself, holding its data in the inner
+tensor ``_data``, a view of the all-gather output that ``reshard()`` frees.
+Each case runs the six DCP calls as ``test_tensor_parallel.py`` does; a new
+optimizer built after an evaluation must get PR A's ValueError from the
+backport, which sees the freed storage through ``__tensor_flatten__``.
+"""
+
+import unittest
+
+import expecttest
+import pytest
+
+from _fsdp_cases import (
+    Case,
+    optimizer_built_after_evaluation_worker,
+    render_before_after,
+    run_agreed,
+    run_case,
+    side_by_side,
+    summarize,
+    unpatched_then_patched,
+)
+
+
+pytestmark = pytest.mark.ranks
+
+# Blocks left unsharded by an evaluation hold the int8 weights unsharded;
+# with the blocks resharded after forward only the root's plain parameters are.
+CASES = {
+    "blocks unsharded, no_grad": Case(int8_training=True, blocks=False),
+    "blocks unsharded, inference_mode": Case(
+        int8_training=True, blocks=False, inference_mode=True
+    ),
+    "unshard() on every module": Case(int8_training=True, unshard=True),
+    "control: reshard_after_forward=True": Case(int8_training=True, root=True),
+}
+
+
+def int8_matrix_worker(cases: dict[str, Case]) -> dict[str, dict[str, str]]:
+    """{label: {case: the calls that failed, or "all 6 calls ok"}}, stock then patched."""
+    return unpatched_then_patched(
+        lambda _label: {
+            name: "; ".join(summarize(run_case(case, check_losses=True)))
+            for name, case in cases.items()
+        }
+    )
+
+
+class Int8TrainingWeightTest(expecttest.TestCase):
+    def test_state_dict_calls_after_an_evaluation(self) -> None:
+        result = run_agreed(2, int8_matrix_worker, CASES)
+        name = "control: reshard_after_forward=True"
+        self.assertEqual(result["patched"][name], result["unpatched"][name])
+        self.assertExpectedInline(
+            side_by_side(
+                {"stock": result["unpatched"], "backport applied": result["patched"]}, "case"
+            ),
+            """\
+case                                | stock                                                                 | backport applied
+blocks unsharded, no_grad           | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+blocks unsharded, inference_mode    | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+unshard() on every module           | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
+control: reshard_after_forward=True | all 6 calls ok                                                        | all 6 calls ok""",
+        )
+
+    def test_optimizer_built_after_an_evaluation(self) -> None:
+        # The root group is resharded after forward and the blocks are not:
+        # params[1] is the first block's int8 weight, params[2] its plain bias.
+        cases = {"int8": Case(int8_training=True, root=True, blocks=False)}
+        result = run_agreed(2, optimizer_built_after_evaluation_worker, cases)
+        self.assertExpectedInline(render_before_after(result), """\
+                                     | stock -> backport applied
+int8, built before any forward, get  | ok, state for 12 of 12 optimizer params
+int8, built after an evaluation, get | ok, state for 12 of 12 optimizer params -> ValueError: Adam param_groups[0]['params'][1] (shape (8, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
+int8, built after an evaluation, set | ok -> ValueError: Adam param_groups[0]['params'][1] (shape (8, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().""")
+
+
+if __name__ == "__main__":
+    unittest.main()
