@@ -63,14 +63,18 @@ def _install_and_run(
 @nox.session
 @nox.parametrize("torch", TORCH_VERSIONS)
 def tests(session: nox.Session, torch: str) -> None:
-    extras = "test,frameworks" if torch == FRAMEWORKS_TORCH else "test"
+    extras = ["test"]
+    if torch != "2.7.1":
+        extras.append("torchao")
+    if torch == FRAMEWORKS_TORCH:
+        extras.append("frameworks")
     # --durations: the slowest tests of each session show in the log.
     default = ["-q", "--durations=15"]
     # On 2.7, test/conftest.py skips every test not marked torch27.
     default += SELECTIONS.get(torch, [])
     _install_and_run(
         session,
-        [f"torch=={torch}", f".[{extras}]"],
+        [f"torch=={torch}", f".[{','.join(extras)}]"],
         ["python", "-m", "pytest", *(session.posargs or default)],
     )
 
@@ -97,7 +101,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def flake(session: nox.Session) -> None:
     """The tests marked ranks three times in a row on the frameworks release."""
-    _install(session, f"torch=={FRAMEWORKS_TORCH}", ".[test,frameworks]")
+    _install(session, f"torch=={FRAMEWORKS_TORCH}", ".[test,torchao,frameworks]")
     for _ in range(3):
         session.run(
             "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",

@@ -11,6 +11,7 @@ backport, which sees the freed storage through ``__tensor_flatten__``.
 """
 
 import unittest
+from importlib.util import find_spec
 
 import expecttest
 import pytest
@@ -51,6 +52,7 @@ def int8_matrix_worker(cases: dict[str, Case]) -> dict[str, dict[str, str]]:
     )
 
 
+@unittest.skipUnless(find_spec("torchao"), "needs the torchao extra (nox: torch 2.10 on)")
 class Int8TrainingWeightTest(expecttest.TestCase):
     def test_state_dict_calls_after_an_evaluation(self) -> None:
         result = run_agreed(2, int8_matrix_worker, CASES)
