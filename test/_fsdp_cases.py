@@ -635,6 +635,35 @@ def optimizer_state_summary(model, optims) -> str:
     return f"ok, state for {len(osd['state'])} of {n_params} optimizer params"
 
 
+def cases_worker(cases: dict[str, Case]) -> dict[str, dict[str, str]]:
+    """{label: {case: the calls that failed, or "all 6 calls ok"}}, stock then patched.
+
+    Each call is also checked by the next training steps' losses.
+    """
+    return unpatched_then_patched(
+        lambda _label: {
+            name: "; ".join(summarize(run_case(case, check_losses=True)))
+            for name, case in cases.items()
+        }
+    )
+
+
+def cases_table(world_size: int, cases: dict[str, Case]) -> str:
+    """``cases_worker`` on ``world_size`` ranks as one table: stock, backport applied.
+
+    Each case named "control: ..." (there must be one) gives the same outcome
+    with the fix as on stock torch.
+    """
+    result = run_agreed(world_size, cases_worker, cases)
+    controls = [name for name in result["unpatched"] if "control:" in name]
+    assert controls, "no control case"
+    for name in controls:
+        assert result["patched"][name] == result["unpatched"][name], name
+    return side_by_side(
+        {"stock": result["unpatched"], "backport applied": result["patched"]}, "case"
+    )
+
+
 def optimizer_built_after_evaluation_worker(cases: dict[str, Case]) -> dict[str, str]:
     """A new optimizer over each case's model, built before any forward and after an evaluation.
 

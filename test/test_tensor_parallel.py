@@ -14,14 +14,11 @@ import pytest
 
 from _fsdp_cases import (
     Case,
+    cases_table,
     optimizer_built_after_evaluation_worker,
     render_before_after,
     run_agreed,
-    run_case,
-    side_by_side,
-    summarize,
     tp_mesh_shape,
-    unpatched_then_patched,
 )
 
 
@@ -50,31 +47,10 @@ def tp_cases(world_size: int) -> dict[str, Case]:
     return cases
 
 
-def tp_matrix_worker(cases: dict[str, Case]) -> dict[str, dict[str, str]]:
-    """{label: {case: the calls that failed, or "all 6 calls ok"}}, stock then patched."""
-    return unpatched_then_patched(
-        lambda _label: {
-            name: "; ".join(summarize(run_case(case, check_losses=True)))
-            for name, case in cases.items()
-        }
-    )
-
-
 class TensorParallelTest(expecttest.TestCase):
-    def _table(self, world_size: int) -> str:
-        result = run_agreed(world_size, tp_matrix_worker, tp_cases(world_size))
-        # Each control gives the same outcome with the fix as on stock torch.
-        controls = [name for name in result["unpatched"] if "control:" in name]
-        self.assertTrue(controls)
-        for name in controls:
-            self.assertEqual(result["patched"][name], result["unpatched"][name], name)
-        return side_by_side(
-            {"stock": result["unpatched"], "backport applied": result["patched"]}, "case"
-        )
-
     def test_world_size_2(self) -> None:
         self.assertExpectedInline(
-            self._table(2),
+            cases_table(2, tp_cases(2)),
             """\
 case                                                | stock                                                                 | backport applied
 (dp, tp)=(2, 1) no_grad                             | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
@@ -95,7 +71,7 @@ case                                                | stock                     
 
     def test_world_size_4(self) -> None:
         self.assertExpectedInline(
-            self._table(4),
+            cases_table(4, tp_cases(4)),
             """\
 case                                                | stock                                                                 | backport applied
 (dp, tp)=(2, 2) no_grad                             | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok

@@ -18,13 +18,10 @@ import pytest
 
 from _fsdp_cases import (
     Case,
+    cases_table,
     optimizer_built_after_evaluation_worker,
     render_before_after,
     run_agreed,
-    run_case,
-    side_by_side,
-    summarize,
-    unpatched_then_patched,
 )
 
 
@@ -42,26 +39,11 @@ CASES = {
 }
 
 
-def int8_matrix_worker(cases: dict[str, Case]) -> dict[str, dict[str, str]]:
-    """{label: {case: the calls that failed, or "all 6 calls ok"}}, stock then patched."""
-    return unpatched_then_patched(
-        lambda _label: {
-            name: "; ".join(summarize(run_case(case, check_losses=True)))
-            for name, case in cases.items()
-        }
-    )
-
-
 @unittest.skipUnless(find_spec("torchao"), "needs the torchao extra (nox: torch 2.10 on)")
 class Int8TrainingWeightTest(expecttest.TestCase):
     def test_state_dict_calls_after_an_evaluation(self) -> None:
-        result = run_agreed(2, int8_matrix_worker, CASES)
-        name = "control: reshard_after_forward=True"
-        self.assertEqual(result["patched"][name], result["unpatched"][name])
         self.assertExpectedInline(
-            side_by_side(
-                {"stock": result["unpatched"], "backport applied": result["patched"]}, "case"
-            ),
+            cases_table(2, CASES),
             """\
 case                                | stock                                                                 | backport applied
 blocks unsharded, no_grad           | get_optim -> KeyError: 0; set_optim, set_state -> KeyError: <DTensor> | all 6 calls ok
