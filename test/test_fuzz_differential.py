@@ -39,6 +39,9 @@ RUN_HERE = _release() in FUZZ_RELEASES or os.environ.get("FUZZ_ANY_TORCH") == "1
 # On the primary release alone (CI time): the long runs' findings, whose
 # verdicts hold on 2.15 too, and the broken fixes, which test the check itself.
 PRIMARY_HERE = _release() == FUZZ_RELEASES[0] or os.environ.get("FUZZ_ANY_TORCH") == "1"
+primary_release_only = unittest.skipUnless(
+    PRIMARY_HERE, "CI runs it on torch 2.10 (FUZZ_ANY_TORCH=1: here too)"
+)
 
 
 class FuzzConfigsTest(unittest.TestCase):
@@ -69,7 +72,7 @@ class FuzzDifferentialTest(unittest.TestCase):
         self.assertGreaterEqual(counts["kind bug"], len(pairs) // 5, out.getvalue())
         self.assertGreaterEqual(counts["kind control"], len(pairs) // 5, out.getvalue())
 
-    @unittest.skipUnless(PRIMARY_HERE, "CI runs it on torch 2.10 (FUZZ_ANY_TORCH=1: here too)")
+    @primary_release_only
     def test_configurations_found_by_long_runs(self) -> None:
         # Divergences of a 1,000-configuration run on 2.10.0, each now a
         # documented outcome: set_state_dict on the tied head (the error before
@@ -91,7 +94,7 @@ class FuzzDifferentialTest(unittest.TestCase):
             with self.subTest(config=f"{seed}:{index}"):
                 self.assertIn(f"{seed}:{index} bug: {verdict} ", out.getvalue())
 
-    @unittest.skipUnless(PRIMARY_HERE, "CI runs it on torch 2.10 (FUZZ_ANY_TORCH=1: here too)")
+    @primary_release_only
     def test_broken_fixes_fail_the_check(self) -> None:
         # Bug cases of the CI seeds: a fix that does nothing, and one that
         # reshards only the module passed in, must each diverge somewhere.
