@@ -18,9 +18,11 @@ collective, a no-op on sharded groups) and, for a plain module passed in,
 FSDP2's own state-dict pre-hook on the modules below it, which reshards a group
 owned by an FSDP module above it (this last part is the backport's own; see
 upstream/lightning_patch/ for the upstream fix of its caller). Nothing else runs: no
-other hook, no ``state_dict()``. ``_init_optim_state`` is wrapped so that a
-never-stepped optimizer holding a parameter whose storage FSDP2 has freed gets
-a ``ValueError``, not a crash; ``_get_optim_state_dict`` and
+other hook, no ``state_dict()``. An optimizer holding a parameter that this
+reshard unregistered was built while its group was unsharded: the call raises
+a ``ValueError``. ``_init_optim_state`` is wrapped so that a never-stepped
+optimizer holding a parameter whose storage FSDP2 has freed gets a
+``ValueError``, not a crash; ``_get_optim_state_dict`` and
 ``_load_optim_state_dict`` so that where torch raises a bare ``KeyError`` for an
 optimizer parameter the model does not own, ``OptimizerParamNotInModelError``
 (a ``ValueError`` and a ``KeyError``) names it and, from its type, the FSDP2
@@ -117,25 +119,45 @@ class OptimizerParamNotInModelError(ValueError, KeyError):
 # for statement: test/test_patch_matches_backport.py fails if they drift apart.
 
 
-def _reshard_fsdp2_modules(model: nn.Module) -> None:
+def _reshard_fsdp2_modules(
+    model: nn.Module, optims: tuple[torch.optim.Optimizer, ...]
+) -> None:
     """
-    Reshard every FSDP2 module in ``model`` (a no-op for sharded ones).
+    Reshard every FSDP2 module in ``model`` and check ``optims`` against it.
 
-    A forward without backward (e.g. an evaluation under ``torch.no_grad()``)
-    or :meth:`~torch.distributed.fsdp.FSDPModule.unshard` leaves modules with
-    ``reshard_after_forward=False`` unsharded, and with an ``int`` resharded
-    to a smaller post-forward mesh: the model then holds other parameters than
-    the sharded DTensors that optimizers hold.
-    ``reshard()`` issues no collective; it registers the sharded parameters
-    and, by default, frees the unsharded ones. It acts on this rank only: the
-    next forward all-gathers a resharded group, so every rank of the group's
-    mesh must reshard it, or none.
+    A forward without backward or ``unshard()`` leaves modules with
+    ``reshard_after_forward=False`` or an ``int`` holding other parameters
+    than the sharded DTensors that optimizers hold. ``reshard()`` issues no
+    collective and acts on this rank only: the next forward all-gathers a
+    resharded group, so every rank of the group's mesh must reshard it, or none.
     """
     from torch.distributed.fsdp import FSDPModule
 
+    params_before = set(model.parameters()) if optims else set()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+    if not optims:
+        return
+    # The parameters the reshard unregistered are unsharded ones: an optimizer
+    # holding one was built while its group was unsharded. Raise before any
+    # step(), whether or not reshard() freed their storage.
+    unsharded_params = params_before.difference(model.parameters())
+    if not unsharded_params:
+        return
+    for optim in optims:
+        for group_idx, param_group in enumerate(optim.param_groups):
+            for param_idx, param in enumerate(param_group[_PARAMS]):
+                if param in unsharded_params:
+                    raise ValueError(
+                        f"{type(optim).__name__} param_groups[{group_idx}]['params']"
+                        f"[{param_idx}] (shape {tuple(param.shape)}) is an FSDP2 "
+                        "unsharded parameter: the optimizer was built while FSDP2 "
+                        "modules were unsharded (e.g. after a forward without "
+                        "backward) and does not hold the sharded parameters that "
+                        "training updates. Build the optimizer from "
+                        "model.parameters() right after fully_shard()."
+                    )
 
 
 def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
@@ -145,11 +167,11 @@ def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
     An optimizer built while FSDP2 modules were unsharded holds their unsharded
     parameters, whose storage ``reshard()`` frees by default; ``step()`` on one
     writes to freed memory. A traceable wrapper subclass (a DTensor under
-    tensor parallelism or an ``int`` ``reshard_after_forward``, a quantized or
-    float8 training tensor) is checked through the inner tensors its
-    ``__tensor_flatten__`` names. Best effort: tensors without storage (sparse,
-    mkldnn) are skipped, and a wrapper subclass without ``__tensor_flatten__``
-    is checked by its placeholder storage, which is never empty.
+    tensor parallelism, a quantized or float8 training tensor) is checked
+    through the inner tensors its ``__tensor_flatten__`` names. Best effort:
+    tensors without storage (sparse, mkldnn) are skipped, and a wrapper
+    subclass without ``__tensor_flatten__`` is checked by its placeholder
+    storage, which is never empty.
     """
     import torch
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -240,11 +262,11 @@ def _unowned_optim_param_error(
     names = ", ".join(counterparts[:3]) + (", ..." if len(counterparts) > 3 else "")
     if counterparts and is_dtensor:
         msg += (
-            f" The model holds a plain tensor of that shape instead ({names}), as "
-            "FSDP2 does while the group that owns the parameter is unsharded, e.g. "
-            "after a forward without backward. Call reshard() on the model's FSDP "
-            "modules on every rank (after an exception in forward, "
-            "reset_iter_state() on the root first), or pass the root module."
+            f" The model holds a plain tensor of that shape instead ({names}): if "
+            "it uses fully_shard, the group that owns the parameter may be "
+            "unsharded, e.g. after a forward without backward. Call reshard() on "
+            "the model's FSDP modules on every rank (after an exception in "
+            "forward, reset_iter_state() on the root first), or pass the root module."
         )
     # A plain tensor of the same shape may be any parameter outside the model;
     # only storage that reshard() freed marks an unsharded FSDP2 parameter.
@@ -329,7 +351,7 @@ def _wrap_verify_options(verify_options: Callable) -> Callable:
     ) -> _StateDictInfo:
         # 0001 reshards after this check, which the original raises for.
         if optims or not optim_only:
-            _reshard_fsdp2_modules(model)
+            _reshard_fsdp2_modules(model, optims)
             _reshard_fsdp2_groups_of_plain_module(model)
         info = verify_options(
             model, optims, optim_only, submodules=submodules, options=options

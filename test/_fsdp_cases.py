@@ -123,6 +123,9 @@ class Case:
     # The blocks' Linear weights as torchao's int8 mixed-precision training
     # tensors: a wrapper subclass holding its data in an inner tensor.
     int8_training: bool = False
+    # FSDPModule.set_keep_unsharded_storage(True) on the root (torch 2.15 on):
+    # reshard() keeps the unsharded parameters' storage.
+    keep_unsharded_storage: bool = False
 
 
 def raf_int(world_size: int) -> int:
@@ -211,6 +214,8 @@ def build(case: Case, seed: int = 0):
                 **fsdp_kwargs,
             )
         fully_shard(model, mesh=mesh, reshard_after_forward=root, **fsdp_kwargs)
+    if case.keep_unsharded_storage:
+        model.set_keep_unsharded_storage(True)
     if case.frozen:
         optims = [torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)]
     elif case.lora:
@@ -632,6 +637,8 @@ def optimizer_state_summary(model, optims) -> str:
         osd = get_optimizer_state_dict(model, optims)
     except ValueError as err:
         return f"ValueError: {err}"
+    except KeyError as err:
+        return describe_error(err)
     return f"ok, state for {len(osd['state'])} of {n_params} optimizer params"
 
 
@@ -669,32 +676,43 @@ def optimizer_built_after_evaluation_worker(cases: dict[str, Case]) -> dict[str,
 
     Built before any forward the optimizer holds FSDP2's sharded DTensors, which
     DSD's zero-grad step() initializes. Built after an evaluation it holds the
-    unsharded parameters of the groups left unsharded, whose storage (for a
-    DTensor or another wrapper subclass, its inner tensors' storage) the fix's
-    reshard frees.
+    unsharded parameters of the groups left unsharded: the fix's reshard
+    unregisters them during the call, or, with the model resharded before the
+    call, has freed their storage (for a DTensor or another wrapper subclass,
+    its inner tensors' storage) unless the case keeps it.
     """
 
-    def run(name: str, case: Case, after_eval: bool) -> list[str]:
+    def run(name: str, case: Case, built: str, call: str) -> str:
         model, optims, _ = build(case)
-        if after_eval:
+        if built != "before any forward":
             train_step(model, optims, 0)
             saved = clone(get_optimizer_state_dict(model, optims))
             evaluate(model, case)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        row = f"{name}, built {'after an evaluation' if after_eval else 'before any forward'}"
-        lines = [f"{row}, get: {optimizer_state_summary(model, [optim])}"]
-        if after_eval:
-            load = outcome_of(lambda: set_optimizer_state_dict(model, optim, clone(saved)))
-            lines.append(f"{row}, set: {load}")
-        return lines
+        if built == "after an evaluation, resharded before the call":
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        if call == "get":
+            outcome = optimizer_state_summary(model, [optim])
+        else:
+            outcome = outcome_of(lambda: set_optimizer_state_dict(model, optim, clone(saved)))
+        return f"{name}, built {built}, {call}: {outcome}"
 
-    def render(_label: str) -> str:
-        return "\n".join(
-            line
-            for name, case in cases.items()
-            for after_eval in (False, True)
-            for line in run(name, case, after_eval)
-        )
+    def render(label: str) -> str:
+        lines = []
+        for name, case in cases.items():
+            lines.append(run(name, case, "before any forward", "get"))
+            # reshard() keeps the storage for an int reshard_after_forward too.
+            keeps_storage = case.keep_unsharded_storage or case.root == RAF_INT
+            for built in ("after an evaluation", "after an evaluation, resharded before the call"):
+                for call in ("get", "set"):
+                    if label == "unpatched" and "resharded" in built and not keeps_storage:
+                        # Stock DSD's zero-grad step() writes to the freed storage.
+                        lines.append(f"{name}, built {built}, {call}: not run (SIGSEGV)")
+                    else:
+                        lines.append(run(name, case, built, call))
+        return "\n".join(lines)
 
     return unpatched_then_patched(render)
 

@@ -854,8 +854,8 @@ def _optimizer_built_unsharded(config: Config) -> bool:
 
 
 def _rule_optimizer_built_after_eval(config, baseline, fix, idx) -> bool:
-    """README, "What changes": a never-stepped optimizer built after an evaluation gets the
-    ValueError; once stepped, the optimizer calls raise OptimizerParamNotInModelError."""
+    """README, "What changes": an optimizer built while groups were unsharded gets PR A's
+    ValueError (or, once stepped and resharded, OptimizerParamNotInModelError)."""
     error = _raised(fix, idx)
     event = _failing_event(config, fix, idx)
     return (
@@ -866,6 +866,7 @@ def _rule_optimizer_built_after_eval(config, baseline, fix, idx) -> bool:
         and event["call"] in ("get_optim", "get_state", "set_optim", "set_state")
         and (
             "has no allocated storage" in error
+            or "is an FSDP2 unsharded parameter" in error
             or error.startswith("OptimizerParamNotInModelError:")
             or "holds a parameter that the model does not own" in error
         )

@@ -176,14 +176,16 @@ def int_keyed_worker() -> dict[str, str]:
 def optim_built_after_eval_worker() -> dict[str, str]:
     """The optimizer captures the root group's unsharded params after an evaluation."""
 
-    def run_case(trained: bool) -> str:
+    def run_case(trained: bool, evaluated: bool) -> str:
         model, optims, _ = build(CASES["root_none"])
         saved = clone(get_optimizer_state_dict(model, optims))
         evaluate(model)
         optims = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
         if trained:
+            # The backward reshards the root: its unsharded params get no state.
             train_step(model, optims, 0)
-            evaluate(model)
+            if evaluated:
+                evaluate(model)
         get = optimizer_state_summary(model, optims)
         # Never stepped, DSD's zero-grad step() would write to freed parameters.
         load = outcome_of(lambda: set_optimizer_state_dict(model, optims, clone(saved)))
@@ -193,10 +195,14 @@ def optim_built_after_eval_worker() -> dict[str, str]:
         )
         return f"get: {get}\nset: {load}\nset int-keyed: {load_int_keyed}"
 
+    variants = {
+        "never stepped": (False, False),
+        "trained": (True, False),
+        "trained, evaluated": (True, True),
+    }
     return unpatched_then_patched(
         lambda _label: "\n".join(
-            f"{name}: {run_case(trained)}"
-            for name, trained in (("never stepped", False), ("trained", True))
+            f"{name}: {run_case(*variant)}" for name, variant in variants.items()
         )
     )
 
@@ -409,14 +415,20 @@ stateless SGD after zero_grad(set_to_none=True):
 never stepped: get: ok, state for 12 of 12 optimizer params
 set: ok
 set int-keyed: ok
-trained: get: ok, state for 8 of 12 optimizer params
+trained: get: KeyError: 0
+set: KeyError: <Parameter>
+set int-keyed: ok
+trained, evaluated: get: ok, state for 8 of 12 optimizer params
 set: ok
 set int-keyed: ok""")
         self.assertExpectedInline(result["patched"], """\
-never stepped: get: ValueError: AdamW param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
+never stepped: get: ValueError: AdamW param_groups[0]['params'][0] (shape (16, 8)) is an FSDP2 unsharded parameter: the optimizer was built while FSDP2 modules were unsharded (e.g. after a forward without backward) and does not hold the sharded parameters that training updates. Build the optimizer from model.parameters() right after fully_shard().
 set: ValueError: AdamW param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
 set int-keyed: ValueError: AdamW param_groups[0]['params'][0] (shape (16, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
 trained: get: ValueError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0] (Parameter of shape (16, 8)). Pass the model that owns every parameter of the optimizer. The model holds a DTensor of that shape instead ('embed.weight', 'head.weight') and this parameter's storage is freed: the optimizer was built while FSDP2 modules were unsharded. Build it from model.parameters() right after fully_shard().
+set: OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0] (Parameter of shape (16, 8)). Pass the model that owns every parameter of the optimizer. The model holds a DTensor of that shape instead ('embed.weight', 'head.weight') and this parameter's storage is freed: the optimizer was built while FSDP2 modules were unsharded. Build it from model.parameters() right after fully_shard().
+set int-keyed: ok
+trained, evaluated: get: ValueError: AdamW param_groups[0]['params'][0] (shape (16, 8)) is an FSDP2 unsharded parameter: the optimizer was built while FSDP2 modules were unsharded (e.g. after a forward without backward) and does not hold the sharded parameters that training updates. Build the optimizer from model.parameters() right after fully_shard().
 set: OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0] (Parameter of shape (16, 8)). Pass the model that owns every parameter of the optimizer. The model holds a DTensor of that shape instead ('embed.weight', 'head.weight') and this parameter's storage is freed: the optimizer was built while FSDP2 modules were unsharded. Build it from model.parameters() right after fully_shard().
 set int-keyed: ok""")
 

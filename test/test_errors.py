@@ -178,7 +178,7 @@ class AbortedForwardTest(expecttest.TestCase):
 after the exception: [KeyError] KeyError: 0
 after reset_iter_state(): ok""")
         self.assertExpectedInline("\n".join(results[0]["patched"]), """\
-after the exception: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0] (DTensor of shape (16, 8)). Pass the model that owns every parameter of the optimizer. The model holds a plain tensor of that shape instead ('embed.weight', 'head.weight'), as FSDP2 does while the group that owns the parameter is unsharded, e.g. after a forward without backward. Call reshard() on the model's FSDP modules on every rank (after an exception in forward, reset_iter_state() on the root first), or pass the root module.
+after the exception: [KeyError/ValueError] OptimizerParamNotInModelError: AdamW holds a parameter that the model does not own: param_groups[0]['params'][0] (DTensor of shape (16, 8)). Pass the model that owns every parameter of the optimizer. The model holds a plain tensor of that shape instead ('embed.weight', 'head.weight'): if it uses fully_shard, the group that owns the parameter may be unsharded, e.g. after a forward without backward. Call reshard() on the model's FSDP modules on every rank (after an exception in forward, reset_iter_state() on the root first), or pass the root module.
 after reset_iter_state(): ok""")
 
 

@@ -113,12 +113,12 @@ class PatchMatchesBackportTest(unittest.TestCase):
 
     def test_pr_a_calls_where_the_backport_wraps(self) -> None:
         calls = _calls_in(PATCHES[0])
-        self.assertEqual(calls["_verify_options"], "_reshard_fsdp2_modules(model)\n")
+        self.assertEqual(calls["_verify_options"], "_reshard_fsdp2_modules(model, optims)\n")
         self.assertEqual(calls["_init_optim_state"], "_verify_optim_params_allocated(optim)\n")
         self.assertEqual(set(calls) - {"get_state_dict", "set_state_dict"}, {
             backport._TARGET_NAME, "_init_optim_state"
         })
-        self.assertIn("_reshard_fsdp2_modules(model)", inspect.getsource(
+        self.assertIn("_reshard_fsdp2_modules(model, optims)", inspect.getsource(
             backport._wrap_verify_options
         ))
         self.assertIn("_init_optim_state", backport._WRAPPERS)
@@ -149,7 +149,7 @@ class PatchMatchesBackportTest(unittest.TestCase):
                 self.assertNotIn(name, code(PATCHES[1]))
 
     def test_patch_marks_the_fix_the_backport_detects(self) -> None:
-        self.assertIn(f"{backport._FIX_ARTIFACT}(model)", _calls_in(PATCHES[0])["_verify_options"])
+        self.assertIn(f"{backport._FIX_ARTIFACT}(model, optims)", _calls_in(PATCHES[0])["_verify_options"])
 
     def test_backport_only_extension_is_in_no_patch(self) -> None:
         for patch in PATCHES:
