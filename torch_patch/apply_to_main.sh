@@ -11,6 +11,8 @@
 # less, or not at all, with git's reason), and _init_optim_state as it is at
 # REF, next to which 0001 adds its guard call. It runs no test: run both test
 # files on each branch of the fork (UPSTREAM.md, filing checklist).
+# recheck_upstream.py (RECHECK.md) applies every upstream piece to a checkout's
+# working tree and runs the tests the patches add, in one command.
 set -euo pipefail
 
 clone=${1:?usage: apply_to_main.sh PYTORCH_CLONE [REF]}

@@ -5,8 +5,9 @@
 
 ``hold`` keeps a reference to the group, as FSDP2's mesh info does for the
 lifetime of the model; ``release`` drops it and collects garbage before exit.
-An aborting run prints "terminate called without an active exception" after
-both ranks printed their last line, and torchrun reports exit code -6.
+An aborting run prints "terminate called without an active exception" (the
+ranks' last lines may come before or after it), and torchrun reports exit code
+-6 for that rank; the other rank may then show -15, stopped by torchrun.
 """
 
 import gc
