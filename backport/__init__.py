@@ -35,9 +35,12 @@ FSDP mesh, or on none. A forward or backward that raised leaves its groups
 marked as running, and ``reshard()`` skips them: call
 ``FSDPModule.reset_iter_state()`` on the root module first.
 
-Targets torch 2.7 to 2.15 (``_SUPPORTED``). The same change is proposed
-upstream (``torch_patch/`` in this project). Vendor as-is: this file needs only
-the standard library and torch, and importing it changes nothing.
+Tested on torch 2.7 to 2.15 (``_SUPPORTED``). On a newer torch whose wrapped
+functions keep their shape ``apply()`` patches and warns ``UntestedTorchWarning``
+once; it raises ``UnsupportedTorchError`` only where it cannot patch safely. The
+same change is proposed upstream (``torch_patch/`` in this project). Vendor
+as-is: this file needs only the standard library and torch, and importing it
+changes nothing.
 
     import backport
     backport.apply()     # idempotent, thread-safe
@@ -70,6 +73,7 @@ __all__ = [
     "BackportWarning",
     "OptimizerParamNotInModelError",
     "UnsupportedTorchError",
+    "UntestedTorchWarning",
     "apply",
     "get_original",
     "is_applied",
@@ -82,7 +86,8 @@ __version__ = "0.1.0"
 _TARGET_MODULE = "torch.distributed.checkpoint.state_dict"
 _TARGET_NAME = "_verify_options"
 _TARGET_PARAMS = ("model", "optims", "optim_only", "submodules", "options")
-# Releases measured to have the bug and the function shape patched here.
+# Releases measured to have the bug and the function shape patched here. A
+# newer torch is patched where the functions keep their shape, with a warning.
 _SUPPORTED = ((2, 7), (2, 15))
 # Breakpoint: no torch release contains the fix yet. In a torch carrying it (a
 # release, or one with torch_patch/ applied) _verify_options calls this helper.
@@ -96,11 +101,23 @@ _lock = threading.Lock()
 
 
 class UnsupportedTorchError(RuntimeError):
-    """The installed torch is outside the supported range or changed shape."""
+    """``apply()`` cannot patch this torch safely; ``reason`` says why."""
+
+    def __init__(self, reason: str, remedy: str) -> None:
+        super().__init__(reason, remedy)
+        self.reason = reason
+        self.remedy = remedy
+
+    def __str__(self) -> str:
+        return f"{self.reason}; {self.remedy}."
 
 
 class BackportWarning(RuntimeWarning):
-    """The backport did nothing, and the caller should know why."""
+    """The backport did nothing, or patched a torch it was not tested on."""
+
+
+class UntestedTorchWarning(BackportWarning):
+    """``apply()`` patched a torch newer than the releases it was tested on."""
 
 
 class OptimizerParamNotInModelError(ValueError, KeyError):
@@ -505,28 +522,49 @@ def _supported_range() -> str:
     return f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
 
 
+def _is_untested(version: str) -> bool:
+    """Whether torch ``version`` is newer than the releases tested (``_SUPPORTED``)."""
+    release = _torch_release(version)
+    return release is not None and release > _SUPPORTED[1]
+
+
+def _remedy(first: str) -> str:
+    return (
+        f"{first}, or apply torch_patch/ to your torch, or remove backport.apply() "
+        "if your torch fixes the bug (python -m backport tells)"
+    )
+
+
 def _check_support(version: str, module: ModuleType) -> str | None:
     """Return why ``module`` of torch ``version`` needs no patch, or None.
 
     Raises UnsupportedTorchError when it can be neither patched nor skipped.
     """
     target = getattr(module, _TARGET_NAME, None)
+    # The fix artifact first, whatever the version says.
     if _applied_version(target) is None and _FIX_ARTIFACT in getattr(
         getattr(target, "__code__", None), "co_names", ()
     ):
         return f"torch {version} already contains the fix; remove the backport"
+    cannot = "so this backport cannot patch it safely"
+    install = _remedy(f"install torch {_supported_range()} (the tested range)")
     release = _torch_release(version)
-    if release is None or not _SUPPORTED[0] <= release <= _SUPPORTED[1]:
+    if release is None:
         raise UnsupportedTorchError(
-            f"torch {version} is not supported by this backport (supported: "
-            f"torch {_supported_range()}); install a supported torch, or check "
-            "whether your torch already fixes FSDP2 optimizer state dicts "
-            "after evaluation and drop the backport."
+            f"torch {version!r} has a version this backport cannot read, {cannot}", install
         )
+    if release < _SUPPORTED[0]:
+        raise UnsupportedTorchError(
+            f"torch {version} is older than the releases this backport was tested on "
+            f"({_supported_range()}), {cannot}",
+            install,
+        )
+    (hi_major, hi_minor) = _SUPPORTED[1]
+    pin = f"pin torch <= {hi_major}.{hi_minor} (the tested range)"
     if target is None:
         raise UnsupportedTorchError(
-            f"torch {version} has no {_TARGET_MODULE}.{_TARGET_NAME}; this backport "
-            f"supports torch {_supported_range()} as released."
+            f"torch {version} has no {_TARGET_MODULE}.{_TARGET_NAME}, {cannot}",
+            _remedy(pin),
         )
     original = getattr(target, "__wrapped__", target)
     code = getattr(original, "__code__", None)
@@ -534,14 +572,13 @@ def _check_support(version: str, module: ModuleType) -> str | None:
     if tuple(names) != _TARGET_PARAMS:
         raise UnsupportedTorchError(
             f"torch {version} changed {_TARGET_MODULE}.{_TARGET_NAME} (expected "
-            f"parameters {_TARGET_PARAMS}, found {tuple(names) or repr(target)}); this "
-            f"backport supports torch {_supported_range()} as released."
+            f"parameters {_TARGET_PARAMS}, found {tuple(names) or repr(target)}), {cannot}",
+            _remedy(pin),
         )
     missing = [name for name in _WRAPPERS if not callable(getattr(module, name, None))]
     if missing:
         raise UnsupportedTorchError(
-            f"torch {version} has no {_TARGET_MODULE}.{missing[0]}; this backport "
-            f"supports torch {_supported_range()} as released."
+            f"torch {version} has no {_TARGET_MODULE}.{missing[0]}, {cannot}", _remedy(pin)
         )
     return None
 
@@ -562,18 +599,34 @@ def apply() -> str:
     on none. After an exception in forward or backward, call
     ``FSDPModule.reset_iter_state()`` on the root module first.
 
+    On a torch newer than the tested releases whose wrapped functions keep
+    their shape, the call that installs the wrappers first warns
+    ``UntestedTorchWarning``: ``warnings.simplefilter("error",
+    UntestedTorchWarning)`` makes that an exception, with nothing patched. On a
+    torch that carries the fix it does nothing and warns ``BackportWarning``.
+
     Raises:
-        UnsupportedTorchError: torch is outside the supported range, or its
-            ``_verify_options`` no longer has the shape this backport wraps.
+        UnsupportedTorchError: torch is older than the tested releases, its
+            version cannot be read, or the functions wrapped changed shape.
     """
     torch, module = _target_module()
+    version = torch.__version__
     with _lock:
-        reason = _check_support(torch.__version__, module)
+        reason = _check_support(version, module)
         if reason is None:
-            for name in _WRAPPERS:
-                current = getattr(module, name)
-                if _backport_wrapper_in(current) is None:
-                    setattr(module, name, _make_wrapper(name, current))
+            todo = [n for n in _WRAPPERS if _backport_wrapper_in(getattr(module, n)) is None]
+            # Before the first wrapper goes in: an error filter leaves torch unpatched.
+            if todo and _is_untested(version):
+                warnings.warn(
+                    f"torch {version} is newer than the releases this backport was "
+                    f"tested on ({_supported_range()}) and was patched because the "
+                    "functions it wraps keep their shape; run `python -m backport` to "
+                    "check whether this torch still needs it.",
+                    UntestedTorchWarning,
+                    stacklevel=2,
+                )
+            for name in todo:
+                setattr(module, name, _make_wrapper(name, getattr(module, name)))
     if reason is not None:
         warnings.warn(f"backport.apply() did nothing: {reason}.", BackportWarning, stacklevel=2)
     return status()
@@ -583,8 +636,8 @@ def revert() -> str:
     """Restore the original functions. Returns the ``status()`` line.
 
     Leaves an attribute alone, with a BackportWarning, when something else has
-    wrapped this backport's wrapper there since (``status()`` then still says
-    applied: calls go through the backport's wrapper below it).
+    wrapped this backport's wrapper there since: ``status()`` then says
+    ``partly applied`` and to remove the wrapper over that function first.
     """
     _, module = _target_module()
     with _lock:
@@ -595,7 +648,8 @@ def revert() -> str:
             elif _backport_wrapper_in(current) is not None:
                 warnings.warn(
                     f"{_TARGET_MODULE}.{name} is wrapped by something other "
-                    "than this backport; it was left as it is. Revert that patch first.",
+                    "than this backport; it was left as it is. Remove the wrapper "
+                    f"over {name} first.",
                     BackportWarning,
                     stacklevel=2,
                 )
@@ -625,22 +679,40 @@ def get_original() -> Any:
 def status() -> str:
     """One line: ``applied``, ``partly applied``, ``not applied``, ``not needed``, ``unsupported``."""
     torch, module = _target_module()
-    where = f"{_TARGET_MODULE}.{_TARGET_NAME}"
+    version = torch.__version__
+    untested = (
+        f" (untested: newer than {_supported_range()})" if _is_untested(version) else ""
+    )
     wrapped = _wrapped(module)
     if len(wrapped) == len(_WRAPPERS):
-        version = _applied_version(wrapped[_TARGET_NAME])
-        return f"applied: torch {torch.__version__}, {where} wrapped (backport {version})"
+        applied = _applied_version(wrapped[_TARGET_NAME])
+        return (
+            f"applied: torch {version}{untested}, {len(_WRAPPERS)} functions of "
+            f"{_TARGET_MODULE} wrapped (backport {applied})"
+        )
     if wrapped:
         missing = [name for name in _WRAPPERS if name not in wrapped]
-        return (
-            f"partly applied: torch {torch.__version__}, {_TARGET_MODULE} has "
-            f"{', '.join(wrapped)} wrapped but not {', '.join(missing)}; call "
-            f"backport.apply() to wrap all {len(_WRAPPERS)}, or backport.revert()"
+        line = (
+            f"partly applied: torch {version}, {_TARGET_MODULE} has "
+            f"{', '.join(wrapped)} wrapped but not {', '.join(missing)}; "
         )
+        # Something else wraps the backport's wrapper: revert() cannot remove it.
+        covered = [name for name, ours in wrapped.items() if getattr(module, name) is not ours]
+        if covered:
+            return line + (
+                f"remove the wrapper over {', '.join(covered)} first, then call "
+                f"backport.revert(), or call backport.apply() to wrap all {len(_WRAPPERS)}"
+            )
+        return line + f"call backport.apply() to wrap all {len(_WRAPPERS)}, or backport.revert()"
     try:
-        reason = _check_support(torch.__version__, module)
+        reason = _check_support(version, module)
     except UnsupportedTorchError as err:
         return f"unsupported: {err}"
     if reason is not None:
         return f"not needed: {reason}"
-    return f"not applied: torch {torch.__version__} has the bug; call backport.apply()"
+    if untested:
+        return (
+            f"not applied: torch {version}{untested}; python -m backport tells whether "
+            "it has the bug; backport.apply() patches it"
+        )
+    return f"not applied: torch {version} has the bug; call backport.apply()"

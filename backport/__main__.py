@@ -1,8 +1,6 @@
-"""``python -m backport``: see backport/_diagnose.py, or ``python -m backport --help``.
-
-Exit status: 0 not affected, or affected and fixed by ``backport.apply()``; 1
-affected and not fixed, ``apply()`` breaks a working step, unsupported torch, or
-the check could not run; 2 usage error.
+"""``python -m backport``: checks whether the installed torch has the bug and whether
+``backport.apply()`` fixes it. What it runs and its exit status: ``python -m backport
+--help`` (written once, in backport/_diagnose.py).
 """
 
 import os

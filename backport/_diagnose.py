@@ -8,11 +8,16 @@ installed, once after backport.apply() in those 2 processes only: nothing is
 written to disk, and your torch stays unpatched until your code calls
 backport.apply().
 
+On a torch newer than the releases the backport was tested on (2.7 to 2.15) it
+says so; apply() patches such a torch where the functions it wraps keep their
+shape, and this check shows whether it still needs the backport. Install a
+tested torch with: pip install "torch>=2.7,<2.16" (for a CPU-only or a specific
+CUDA/ROCm build, add the index URL that pytorch.org gives).
+
 Exit status:
   0  not affected, or affected and fixed by backport.apply()
-  1  affected and backport.apply() does not fix it; backport.apply() breaks a
-     step that works without it; the installed torch is not supported by the
-     backport; or the check could not run
+  1  affected and not fixed: backport.apply() does not fix it or refuses this
+     torch; or the check could not run; or this Python has no torch
   2  usage error
 """
 
@@ -151,11 +156,11 @@ def _worker() -> dict[str, object]:
     result["without"] = _scenario()
     try:
         with warnings.catch_warnings():
-            # "not needed" is reported from status above.
+            # "not needed" is reported from status above, "untested" from the version.
             warnings.simplefilter("ignore", backport.BackportWarning)
             backport.apply()
     except backport.UnsupportedTorchError as err:
-        result["refused"] = str(err)
+        result["refused"] = err.reason
         return result
     try:
         report("checking again with backport.apply() in these processes...")
@@ -233,60 +238,86 @@ def _affected(outcomes: list[str]) -> list[str]:
     return ["Affected: yes. After the evaluation forward, a step raised the error shown."]
 
 
+def _install_command() -> str:
+    (lo_major, lo_minor), (hi_major, hi_minor) = backport._SUPPORTED
+    return f'pip install "torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}"'
+
+
 def _report(result: dict[str, object]) -> tuple[str, int]:
     """Return the report on ``result`` from rank 0 and the exit status."""
     version = result["torch"]
     without = result["without"]
     with_fix = result.get("with")
+    refused = result.get("refused")
     affected = any(value != _OK for value in without.values())
     lines = [f"torch {version} ({result['torch_dir']})", *_table(without, with_fix), ""]
-    if affected:
-        lines += _affected(list(without.values()))
-    elif str(result["status"]).startswith("not needed: "):
-        lines += [f"Affected: no. {str(result['status'])[len('not needed: '):]}."]
-    else:
+    if backport._is_untested(str(version)):
+        lines += [
+            f"Untested: torch {version} is newer than the releases this backport was tested",
+            f"on ({backport._supported_range()}); the table above is what it does here.",
+            "",
+        ]
+    if not affected:
+        if str(result["status"]).startswith("not needed: "):
+            lines += [f"Affected: no. {str(result['status'])[len('not needed: '):]}."]
+            return "\n".join(lines), 0
         lines += [
             f"Affected: no. torch {version} saved and loaded the optimizer state after",
             "the evaluation forward: you do not need backport.apply().",
         ]
-    if "refused" in result:
+        if refused is not None:
+            lines += [
+                "",
+                "Next step: remove backport.apply() from your code; it refuses this torch:",
+                *textwrap.wrap(f"{refused}.", width=80),
+            ]
+        elif any(value != _OK for value in with_fix.values()):
+            lines += [
+                "",
+                "Next step: remove backport.apply() from your code; with it a step fails that",
+                "works without it (right column). Please report this output.",
+            ]
+        return "\n".join(lines), 0
+    lines += _affected(list(without.values()))
+    if refused is not None:
         lines += [
             "",
-            "backport.apply() refused this torch, so the backport cannot be used with it:",
-            *textwrap.wrap(str(result["refused"]), width=80),
+            "Fixed by backport.apply(): no, it refused this torch (right column: not run):",
+            *textwrap.wrap(f"{refused}.", width=80),
+            "",
+            f"Next step: install a tested torch ({backport._supported_range()}), e.g.",
+            "",
+            f"    {_install_command()}",
+            "",
+            "or apply torch_patch/ (from the backport's project) to your torch.",
         ]
         return "\n".join(lines), 1
-    fixed = all(value == _OK for value in with_fix.values())
-    if affected and fixed:
-        lines += [
-            "",
-            "Fixed by backport.apply(): yes (right column). This check applied it in its",
-            f"own {WORLD_SIZE} processes only: your torch is not patched.",
-            "",
-            "Next step: on every rank, before the first checkpoint (e.g. at the top of the",
-            "training script), add",
-            "",
-            "    import backport; backport.apply()",
-            "",
-            "or vendor the backport: copy this one file into your code base under any name",
-            "and call its apply() the same way:",
-            f"    {os.path.abspath(backport.__file__)}",
-        ]
-        return "\n".join(lines), 0
-    if affected:
+    if any(value != _OK for value in with_fix.values()):
         lines += [
             "",
             "Fixed by backport.apply(): no (right column). Do not rely on the backport with",
             f"torch {version}; please report this output and how torch was installed.",
         ]
         return "\n".join(lines), 1
-    if not fixed:
+    lines += [
+        "",
+        "Fixed by backport.apply(): yes (right column). This check applied it in its",
+        f"own {WORLD_SIZE} processes only: your torch is not patched.",
+        "",
+        "Next step: on every rank, before the first checkpoint (e.g. at the top of the",
+        "training script), add",
+        "",
+        "    import backport; backport.apply()",
+        "",
+        "or vendor the backport: copy this one file into your code base under any name",
+        "and call its apply() the same way:",
+        f"    {os.path.abspath(backport.__file__)}",
+    ]
+    if backport._is_untested(str(version)):
         lines += [
             "",
-            "backport.apply() makes a step fail that works without it (right column): do not",
-            f"use the backport with torch {version}; please report this output.",
+            f"On torch {version} apply() warns UntestedTorchWarning once when it patches.",
         ]
-        return "\n".join(lines), 1
     return "\n".join(lines), 0
 
 
@@ -305,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     _parser().parse_args(argv)
     if importlib.util.find_spec("torch") is None:
         _progress(
-            f"this Python ({sys.executable}) has no torch: install torch "
-            f"{backport._supported_range()} first (e.g. pip install torch), then run "
-            "python -m backport again"
+            f"this Python ({sys.executable}) has no torch: install it first with "
+            f"{_install_command()} (for a CPU-only or a specific CUDA/ROCm build, add "
+            "the index URL that pytorch.org gives), then run python -m backport again"
         )
         return 1
     _progress(

@@ -1,6 +1,7 @@
 """apply() / revert() / status() on the installed torch, in this process."""
 
 import ast
+import contextlib
 import functools
 import importlib.util
 import re
@@ -17,6 +18,7 @@ import expecttest
 import pytest
 import torch
 import torch.distributed.checkpoint.state_dict as dsd
+from torch.torch_version import TorchVersion
 
 import backport
 
@@ -136,7 +138,7 @@ class ApplyRevertTest(expecttest.TestCase):
         line = backport.apply()
         self.assertExpectedInline(
             _render(line),
-            """applied: torch <torch>, torch.distributed.checkpoint.state_dict._verify_options wrapped (backport <version>)""",
+            """applied: torch <torch>, 4 functions of torch.distributed.checkpoint.state_dict wrapped (backport <version>)""",
         )
         self.assertEqual(line, backport.status())
         self.assertIsNot(dsd._verify_options, self.original)
@@ -186,16 +188,20 @@ _verify_options""")
                                 (
                                     f"BackportWarning: {backport._TARGET_MODULE}.{name} is "
                                     "wrapped by something other than this backport; it was "
-                                    "left as it is. Revert that patch first."
+                                    f"left as it is. Remove the wrapper over {name} first."
                                 )
                             ],
                         )
                         # The other three are reverted; calls to this one still go
-                        # through the backport's wrapper below the foreign one.
-                        self.assertTrue(
-                            line.startswith(f"partly applied: torch {torch.__version__}, "
-                                            f"{backport._TARGET_MODULE} has {name} wrapped "),
-                            line,
+                        # through the backport's wrapper below the foreign one, and
+                        # the line says what to do first (not revert() again).
+                        others = ", ".join(n for n in backport._WRAPPERS if n != name)
+                        self.assertEqual(
+                            _render(line),
+                            f"partly applied: torch <torch>, {backport._TARGET_MODULE} has "
+                            f"{name} wrapped but not {others}; remove the wrapper over "
+                            f"{name} first, then call backport.revert(), or call "
+                            "backport.apply() to wrap all 4",
                         )
                         self.assertFalse(backport.is_applied())
                         self.assertIs(backport.get_original(), self.original)
@@ -413,13 +419,18 @@ class SupportGateTest(expecttest.TestCase):
     def test_too_old(self) -> None:
         self.assertExpectedInline(
             self._error("2.6.0+cu124", dsd),
-            """torch 2.6.0+cu124 is not supported by this backport (supported: torch 2.7 to 2.15); install a supported torch, or check whether your torch already fixes FSDP2 optimizer state dicts after evaluation and drop the backport.""",
+            """torch 2.6.0+cu124 is older than the releases this backport was tested on (2.7 to 2.15), so this backport cannot patch it safely; install torch 2.7 to 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""",
         )
 
-    def test_too_new(self) -> None:
+    def test_newer_release_with_the_same_shape_is_patched(self) -> None:
+        # apply() warns on it (UpgradeBoundaryTest); the gate lets it through.
+        for version in ("2.16.0", "3.0.0"):
+            self.assertIsNone(backport._check_support(version, dsd), version)
+
+    def test_unreadable_version(self) -> None:
         self.assertExpectedInline(
-            self._error("2.16.0", dsd),
-            """torch 2.16.0 is not supported by this backport (supported: torch 2.7 to 2.15); install a supported torch, or check whether your torch already fixes FSDP2 optimizer state dicts after evaluation and drop the backport.""",
+            self._error("nightly", dsd),
+            """torch 'nightly' has a version this backport cannot read, so this backport cannot patch it safely; install torch 2.7 to 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""",
         )
 
     def test_changed_signature(self) -> None:
@@ -428,14 +439,14 @@ class SupportGateTest(expecttest.TestCase):
 
         self.assertExpectedInline(
             self._error("2.13.0", _module_with(_verify_options)),
-            """torch 2.13.0 changed torch.distributed.checkpoint.state_dict._verify_options (expected parameters ('model', 'optims', 'optim_only', 'submodules', 'options'), found ('model', 'optims', 'options')); this backport supports torch 2.7 to 2.15 as released.""",
+            """torch 2.13.0 changed torch.distributed.checkpoint.state_dict._verify_options (expected parameters ('model', 'optims', 'optim_only', 'submodules', 'options'), found ('model', 'optims', 'options')), so this backport cannot patch it safely; pin torch <= 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""",
         )
 
     def test_missing_function(self) -> None:
         module = types.ModuleType("fake_state_dict")
         self.assertExpectedInline(
             self._error("2.13.0", module),
-            """torch 2.13.0 has no torch.distributed.checkpoint.state_dict._verify_options; this backport supports torch 2.7 to 2.15 as released.""",
+            """torch 2.13.0 has no torch.distributed.checkpoint.state_dict._verify_options, so this backport cannot patch it safely; pin torch <= 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""",
         )
 
     def test_torch_with_the_fix_needs_nothing(self) -> None:
@@ -450,6 +461,118 @@ class SupportGateTest(expecttest.TestCase):
             )
 
 
+@contextlib.contextmanager
+def _torch_version(version: str):
+    """torch.__version__ reads ``version`` inside the block (torch's functions untouched)."""
+    installed = torch.__version__
+    torch.__version__ = TorchVersion(version)
+    try:
+        yield
+    finally:
+        torch.__version__ = installed
+
+
+def _fixed_verify_options(model, optims, optim_only, *, submodules=None, options=None):
+    """What a torch carrying the fix has: _verify_options calls _reshard_fsdp2_modules."""
+    _reshard_fsdp2_modules(model)  # noqa: F821 - never called
+
+
+def _reshaped_verify_options(
+    model, optims, optim_only, *, submodules=None, options=None, strict=True
+):
+    """_verify_options with one parameter more, as a later torch may have."""
+
+
+def _caught(call) -> tuple[object, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = call()
+    return result, [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+class UpgradeBoundaryTest(expecttest.TestCase):
+    """apply() and status() on a torch version other than the installed one.
+
+    The version is faked by setting torch.__version__; a torch that carries the
+    fix or changed shape by putting another function in place of _verify_options.
+    """
+
+    def setUp(self) -> None:
+        self.originals = {name: getattr(dsd, name) for name in backport._WRAPPERS}
+        self.addCleanup(self._restore)
+
+    def _restore(self) -> None:
+        backport.revert()
+        for name, original in self.originals.items():
+            setattr(dsd, name, original)
+
+    def _unpatched(self) -> None:
+        for name, original in self.originals.items():
+            self.assertIs(getattr(dsd, name), original, name)
+
+    def test_newer_torch_with_the_same_shape_is_patched_with_one_warning(self) -> None:
+        with _torch_version("2.16.0"):
+            self.assertExpectedInline(backport.status(), """not applied: torch 2.16.0 (untested: newer than 2.7 to 2.15); python -m backport tells whether it has the bug; backport.apply() patches it""")
+            line, caught = _caught(backport.apply)
+            self.assertExpectedInline("\n".join(caught), """UntestedTorchWarning: torch 2.16.0 is newer than the releases this backport was tested on (2.7 to 2.15) and was patched because the functions it wraps keep their shape; run `python -m backport` to check whether this torch still needs it.""")
+            self.assertTrue(backport.is_applied())
+            self.assertExpectedInline(line.replace(backport.__version__, "<version>"), """applied: torch 2.16.0 (untested: newer than 2.7 to 2.15), 4 functions of torch.distributed.checkpoint.state_dict wrapped (backport <version>)""")
+            # The later, idempotent calls are silent.
+            self.assertEqual(_caught(backport.apply), (line, []))
+
+    def test_strict_mode_raises_and_leaves_torch_unpatched(self) -> None:
+        with _torch_version("2.16.0"), warnings.catch_warnings():
+            warnings.simplefilter("error", backport.UntestedTorchWarning)
+            with self.assertRaises(backport.UntestedTorchWarning):
+                backport.apply()
+            self._unpatched()
+            self.assertFalse(backport.is_applied())
+            self.assertTrue(backport.status().startswith("not applied: torch 2.16.0 "))
+        # The filter turns only that warning into an error: a tested torch patches.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", backport.UntestedTorchWarning)
+            self.assertTrue(backport.apply().startswith("applied: "))
+
+    def test_torch_with_the_fix_is_left_alone(self) -> None:
+        dsd._verify_options = _fixed_verify_options
+        for version in ("2.13.0", "2.16.0"):
+            with self.subTest(version), _torch_version(version):
+                line, caught = _caught(backport.apply)
+                self.assertEqual(
+                    caught,
+                    [
+                        (
+                            f"BackportWarning: backport.apply() did nothing: torch {version} "
+                            "already contains the fix; remove the backport."
+                        )
+                    ],
+                )
+                self.assertEqual(
+                    line,
+                    f"not needed: torch {version} already contains the fix; remove the backport",
+                )
+                self.assertEqual(backport.status(), line)
+                self.assertIs(dsd._verify_options, _fixed_verify_options)
+                self.assertEqual(backport._wrapped(dsd), {})
+
+    def test_older_torch_is_refused_with_the_remedy(self) -> None:
+        with _torch_version("2.6.0"):
+            with self.assertRaises(backport.UnsupportedTorchError) as ctx:
+                backport.apply()
+            self._unpatched()
+            self.assertExpectedInline(str(ctx.exception), """torch 2.6.0 is older than the releases this backport was tested on (2.7 to 2.15), so this backport cannot patch it safely; install torch 2.7 to 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""")
+            self.assertEqual(backport.status(), f"unsupported: {ctx.exception}")
+
+    def test_changed_shape_is_refused_with_the_remedy(self) -> None:
+        dsd._verify_options = _reshaped_verify_options
+        with _torch_version("2.16.0"), self.assertRaises(backport.UnsupportedTorchError) as ctx:
+            backport.apply()
+        self.assertIs(dsd._verify_options, _reshaped_verify_options)
+        self.assertEqual(backport._wrapped(dsd), {})
+        self.assertExpectedInline(ctx.exception.reason, """torch 2.16.0 changed torch.distributed.checkpoint.state_dict._verify_options (expected parameters ('model', 'optims', 'optim_only', 'submodules', 'options'), found ('model', 'optims', 'optim_only', 'submodules', 'options', 'strict')), so this backport cannot patch it safely""")
+        self.assertExpectedInline(ctx.exception.remedy, """pin torch <= 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells)""")
+
+
 class SupportedRangeTest(unittest.TestCase):
     """``backport._SUPPORTED`` defines the range; what states it elsewhere follows it."""
 
@@ -457,10 +580,13 @@ class SupportedRangeTest(unittest.TestCase):
         root = SOURCE.parent.parent
         (lo_major, lo_minor), (hi_major, hi_minor) = backport._SUPPORTED
         stated = f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
-        readme = (root / "README.md").read_text()
-        self.assertIn(f"torch you have installed ({stated})", " ".join(readme.split()))
-        self.assertIn(f"| < {lo_major}.{lo_minor}, ≥ {hi_major}.{hi_minor + 1} |", readme)
-        self.assertIn(f"Targets torch {stated} (``_SUPPORTED``)", backport.__doc__)
+        # The one install command, everywhere it is given.
+        install = f'pip install "torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}"'
+        self.assertIn(install, (root / "README.md").read_text())
+        from backport import _diagnose
+
+        self.assertIn(install, _diagnose.__doc__)
+        self.assertIn(f"Tested on torch {stated} (``_SUPPORTED``)", backport.__doc__)
         self.assertIn(f'"torch>={lo_major}.{lo_minor}"', (root / "pyproject.toml").read_text())
         # Every release the suite runs on is supported.
         noxfile = (root / "noxfile.py").read_text()

@@ -14,6 +14,7 @@ import torch
 
 import backport
 from backport._diagnose import _report
+from fake_torch_version import faked_env
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.torch27]
@@ -80,6 +81,96 @@ backport: starting 2 CPU processes (gloo) for the check (backport <version>), un
 backport: checking torch <torch> as installed...
 backport: checking again with backport.apply() in these processes...""")
 
+    def _faked(self, version: str, **fake) -> tuple[int, str]:
+        """``python -m backport`` on the installed torch faked by test/fake_torch_version.py."""
+        with faked_env(version, **fake) as env:
+            proc = _python_m_backport("-m", "backport", env=env)
+        self.assertNotIn("Traceback", proc.stderr)
+        return proc.returncode, _render(proc.stdout.replace(version, "<fake>"))
+
+    def test_newer_torch_affected_and_fixed(self) -> None:
+        """An untested torch (faked 2.16.0) with the bug: apply() fixes it, exit status 0."""
+        status, text = self._faked("2.16.0")
+        self.assertEqual(status, 0, text)
+        self.assertExpectedInline(text, """\
+torch <fake> (<torch_dir>)
+step                                      | torch as installed                     | with backport.apply()
+------------------------------------------|----------------------------------------|-----------------------
+optimizer state saved after no_grad eval  | KeyError: 4                            | ok
+optimizer state loaded after no_grad eval | KeyError: DTensor(...)                 | ok
+
+Untested: torch <fake> is newer than the releases this backport was tested
+on (2.7 to 2.15); the table above is what it does here.
+
+Affected: yes. After the evaluation forward, DSD could not map the optimizer's
+parameters to the model's: the model still holds FSDP2's unsharded parameters,
+the optimizer the sharded ones. Each KeyError is the optimizer parameter DSD
+looked for, by its index (KeyError: <n>) or itself (KeyError: DTensor(...)).
+
+Fixed by backport.apply(): yes (right column). This check applied it in its
+own 2 processes only: your torch is not patched.
+
+Next step: on every rank, before the first checkpoint (e.g. at the top of the
+training script), add
+
+    import backport; backport.apply()
+
+or vendor the backport: copy this one file into your code base under any name
+and call its apply() the same way:
+    <backport/__init__.py>
+
+On torch <fake> apply() warns UntestedTorchWarning once when it patches.
+""")
+
+    def test_fixed_torch_the_backport_refuses(self) -> None:
+        """A newer torch fixed under another name, whose _verify_options changed: exit status 0.
+
+        apply() refuses it (changed shape) and cannot see the fix; the check
+        shows the bug absent, so the report says to remove apply().
+        """
+        status, text = self._faked("2.17.0", fix="undetected", changed_shape=True)
+        self.assertEqual(status, 0, text)
+        self.assertExpectedInline(text, """\
+torch <fake> (<torch_dir>)
+step                                      | torch as installed                     | with backport.apply()
+------------------------------------------|----------------------------------------|-----------------------
+optimizer state saved after no_grad eval  | ok                                     | -
+optimizer state loaded after no_grad eval | ok                                     | -
+
+Untested: torch <fake> is newer than the releases this backport was tested
+on (2.7 to 2.15); the table above is what it does here.
+
+Affected: no. torch <fake> saved and loaded the optimizer state after
+the evaluation forward: you do not need backport.apply().
+
+Next step: remove backport.apply() from your code; it refuses this torch:
+torch <fake> changed torch.distributed.checkpoint.state_dict._verify_options
+(expected parameters ('model', 'optims', 'optim_only', 'submodules', 'options'),
+found ('model', 'optims', 'optim_only', 'submodules', 'options', 'strict')), so
+this backport cannot patch it safely.
+""")
+
+    def test_affected_torch_the_backport_refuses(self) -> None:
+        """A torch older than the tested releases (faked 2.6.0) with the bug: exit status 1."""
+        status, text = self._faked("2.6.0")
+        self.assertEqual(status, 1, text)
+        self.assertExpectedInline(text[text.index("\n\n") + 2:], """\
+Affected: yes. After the evaluation forward, DSD could not map the optimizer's
+parameters to the model's: the model still holds FSDP2's unsharded parameters,
+the optimizer the sharded ones. Each KeyError is the optimizer parameter DSD
+looked for, by its index (KeyError: <n>) or itself (KeyError: DTensor(...)).
+
+Fixed by backport.apply(): no, it refused this torch (right column: not run):
+torch <fake> is older than the releases this backport was tested on (2.7 to
+2.15), so this backport cannot patch it safely.
+
+Next step: install a tested torch (2.7 to 2.15), e.g.
+
+    pip install "torch>=2.7,<2.16"
+
+or apply torch_patch/ (from the backport's project) to your torch.
+""")
+
     def test_no_torch_warnings_without_numpy(self) -> None:
         """torch's warning about a missing numpy does not reach the user: the check needs none."""
         with tempfile.TemporaryDirectory() as shadow:
@@ -120,14 +211,19 @@ installed, once after backport.apply() in those 2 processes only: nothing is
 written to disk, and your torch stays unpatched until your code calls
 backport.apply().
 
+On a torch newer than the releases the backport was tested on (2.7 to 2.15) it
+says so; apply() patches such a torch where the functions it wraps keep their
+shape, and this check shows whether it still needs the backport. Install a
+tested torch with: pip install "torch>=2.7,<2.16" (for a CPU-only or a specific
+CUDA/ROCm build, add the index URL that pytorch.org gives).
+
 options:
   -h, --help  show this help message and exit
 
 exit status:
   0  not affected, or affected and fixed by backport.apply()
-  1  affected and backport.apply() does not fix it; backport.apply() breaks a
-     step that works without it; the installed torch is not supported by the
-     backport; or the check could not run
+  1  affected and not fixed: backport.apply() does not fix it or refuses this
+     torch; or the check could not run; or this Python has no torch
   2  usage error
 """)
 
@@ -151,7 +247,7 @@ exit status:
         self.assertEqual(proc.returncode, 1)
         self.assertEqual(proc.stdout, "")
         self.assertExpectedInline(proc.stderr.replace(sys.executable, "<python>"), """\
-backport: this Python (<python>) has no torch: install torch 2.7 to 2.15 first (e.g. pip install torch), then run python -m backport again
+backport: this Python (<python>) has no torch: install it first with pip install "torch>=2.7,<2.16" (for a CPU-only or a specific CUDA/ROCm build, add the index URL that pytorch.org gives), then run python -m backport again
 """)
 
     def test_usage_error(self) -> None:
@@ -167,12 +263,20 @@ python -m backport: error: unrecognized arguments: --world-size=4""",
         )
 
 
-def _result(without, with_fix=None, **fields) -> dict:
-    # What rank 0's worker returns, for torch releases and outcomes not installed here.
-    result = {"torch": "2.99.0", "torch_dir": "<torch_dir>", "without": without, **fields}
+def _result(without, with_fix=None, version="2.13.0", **fields) -> dict:
+    # What rank 0's worker returns, for outcomes not seen on the installed torch.
+    result = {"torch": version, "torch_dir": "<torch_dir>", "without": without, **fields}
     if with_fix is not None:
         result["with"] = with_fix
     return result
+
+
+OK = {"save": "ok", "load": "ok"}
+FAILED = {"save": "KeyError: 4", "load": "KeyError: DTensor(...)"}
+REFUSED = (
+    "torch 2.6.0 is older than the releases this backport was tested on (2.7 to 2.15), "
+    "so this backport cannot patch it safely"
+)
 
 
 class ReportTest(expecttest.TestCase):
@@ -184,28 +288,32 @@ class ReportTest(expecttest.TestCase):
         return f"exit status {status}\n{text[table_end + 2:]}"
 
     def test_not_affected(self) -> None:
-        ok = {"save": "ok", "load": "ok"}
-        status = "not applied: torch 2.99.0 has the bug; call backport.apply()"
-        self.assertExpectedInline(self._report(_result(ok, ok, status=status)), """\
+        status = "not applied: torch 2.13.0 has the bug; call backport.apply()"
+        self.assertExpectedInline(self._report(_result(OK, OK, status=status)), """\
 exit status 0
-Affected: no. torch 2.99.0 saved and loaded the optimizer state after
+Affected: no. torch 2.13.0 saved and loaded the optimizer state after
 the evaluation forward: you do not need backport.apply().""")
 
     def test_torch_with_the_fix(self) -> None:
-        ok = {"save": "ok", "load": "ok"}
-        status = "not needed: torch 2.99.0 already contains the fix; remove the backport"
-        self.assertExpectedInline(self._report(_result(ok, ok, status=status)), """\
+        status = "not needed: torch 2.13.0 already contains the fix; remove the backport"
+        self.assertExpectedInline(self._report(_result(OK, OK, status=status)), """\
 exit status 0
-Affected: no. torch 2.99.0 already contains the fix; remove the backport.""")
+Affected: no. torch 2.13.0 already contains the fix; remove the backport.""")
 
-    def test_unsupported_torch(self) -> None:
-        failed = {"save": "KeyError: 4", "load": "KeyError: DTensor(...)"}
-        refused = (
-            "torch 2.99.0 is not supported by this backport (supported: torch 2.7 to "
-            "2.15); install a supported torch, or check whether your torch already fixes "
-            "FSDP2 optimizer state dicts after evaluation and drop the backport."
-        )
-        result = _result(failed, status=f"unsupported: {refused}", refused=refused)
+    def test_refused_and_not_affected(self) -> None:
+        """Not affected is exit status 0 even where apply() refuses the torch."""
+        result = _result(OK, version="2.6.0", status="unsupported: ...", refused=REFUSED)
+        self.assertExpectedInline(self._report(result), """\
+exit status 0
+Affected: no. torch 2.6.0 saved and loaded the optimizer state after
+the evaluation forward: you do not need backport.apply().
+
+Next step: remove backport.apply() from your code; it refuses this torch:
+torch 2.6.0 is older than the releases this backport was tested on (2.7 to
+2.15), so this backport cannot patch it safely.""")
+
+    def test_refused_and_affected(self) -> None:
+        result = _result(FAILED, version="2.6.0", status="unsupported: ...", refused=REFUSED)
         self.assertExpectedInline(self._report(result), """\
 exit status 1
 Affected: yes. After the evaluation forward, DSD could not map the optimizer's
@@ -213,13 +321,26 @@ parameters to the model's: the model still holds FSDP2's unsharded parameters,
 the optimizer the sharded ones. Each KeyError is the optimizer parameter DSD
 looked for, by its index (KeyError: <n>) or itself (KeyError: DTensor(...)).
 
-backport.apply() refused this torch, so the backport cannot be used with it:
-torch 2.99.0 is not supported by this backport (supported: torch 2.7 to 2.15);
-install a supported torch, or check whether your torch already fixes FSDP2
-optimizer state dicts after evaluation and drop the backport.""")
-        # Unsupported is exit status 1 even where the bug does not show.
-        ok = {"save": "ok", "load": "ok"}
-        self.assertEqual(_report(_result(ok, refused=refused, status="unsupported"))[1], 1)
+Fixed by backport.apply(): no, it refused this torch (right column: not run):
+torch 2.6.0 is older than the releases this backport was tested on (2.7 to
+2.15), so this backport cannot patch it safely.
+
+Next step: install a tested torch (2.7 to 2.15), e.g.
+
+    pip install "torch>=2.7,<2.16"
+
+or apply torch_patch/ (from the backport's project) to your torch.""")
+
+    def test_untested_and_not_affected(self) -> None:
+        status = "not applied: torch 2.16.0 (untested: newer than 2.7 to 2.15); ..."
+        result = _result(OK, OK, version="2.16.0", status=status)
+        self.assertExpectedInline(self._report(result), """\
+exit status 0
+Untested: torch 2.16.0 is newer than the releases this backport was tested
+on (2.7 to 2.15); the table above is what it does here.
+
+Affected: no. torch 2.16.0 saved and loaded the optimizer state after
+the evaluation forward: you do not need backport.apply().""")
 
     def test_affected_and_not_fixed(self) -> None:
         failed = {"save": "ok", "load": "WRONG VALUES"}
@@ -230,18 +351,18 @@ Affected: yes. After the evaluation forward, the optimizer state read back
 differs from the state before it.
 
 Fixed by backport.apply(): no (right column). Do not rely on the backport with
-torch 2.99.0; please report this output and how torch was installed.""")
+torch 2.13.0; please report this output and how torch was installed.""")
 
     def test_apply_breaks_a_working_step(self) -> None:
-        ok = {"save": "ok", "load": "ok"}
+        """Not affected (exit status 0), and the report says to remove apply()."""
         broken = {"save": "ok", "load": "RuntimeError: boom"}
-        self.assertExpectedInline(self._report(_result(ok, broken, status="not applied")), """\
-exit status 1
-Affected: no. torch 2.99.0 saved and loaded the optimizer state after
+        self.assertExpectedInline(self._report(_result(OK, broken, status="not applied")), """\
+exit status 0
+Affected: no. torch 2.13.0 saved and loaded the optimizer state after
 the evaluation forward: you do not need backport.apply().
 
-backport.apply() makes a step fail that works without it (right column): do not
-use the backport with torch 2.99.0; please report this output.""")
+Next step: remove backport.apply() from your code; with it a step fails that
+works without it (right column). Please report this output.""")
 
 
 if __name__ == "__main__":
