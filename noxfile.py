@@ -41,12 +41,16 @@ nox.options.sessions = ["lint", "tests", "twinkle"]
 # which .ci/run sets, each session removes its virtualenv when it ends,
 # whatever the result, so one is on disk at a time.
 DISCARD_VENVS = os.environ.get("DISCARD_NOX_VENVS") == "1"
+# A pip constraints file (PIP_CONSTRAINT, pip.conf) that caps torch below a
+# release the sessions install makes them fail. NOX_IGNORE_PIP_CONSTRAINT=1
+# (opt-in; .ci/run sets it) installs without it; by default a user's or
+# company's constraints apply. uv does not read pip's configuration.
+IGNORE_PIP_CONSTRAINT = os.environ.get("NOX_IGNORE_PIP_CONSTRAINT") == "1"
 
 
 def _install(session: nox.Session, *args: str) -> None:
-    # Some machines cap pip at an older torch through a constraints file
-    # (uv does not read pip's configuration).
-    session.install(*args, env={"PIP_CONSTRAINT": "/dev/null"})
+    env = {"PIP_CONSTRAINT": "/dev/null"} if IGNORE_PIP_CONSTRAINT else {}
+    session.install(*args, env=env)
 
 
 def _install_and_run(

@@ -5,12 +5,17 @@ accelerate 1.15.0 and transformers 5.24.0: ``pip install accelerate==1.15.0
 transformers==5.24.0``).
 
     accelerate launch --use_fsdp --fsdp_version 2 \\
-        examples/accelerate_fsdp2_eval_checkpoint.py --output-dir /tmp/ckpt
+        examples/accelerate_fsdp2_eval_checkpoint.py
 
 On a machine without GPUs, accelerate does not turn FSDP on; ``--cpu-fsdp``
 sets its distributed state to FSDP2 by hand so the same script runs on CPU:
 
     torchrun --nproc-per-node 2 examples/accelerate_fsdp2_eval_checkpoint.py --cpu-fsdp
+
+``--without-backport`` skips ``backport.apply()`` to show the bug: the first
+checkpoint raises ``KeyError`` and the script exits with status 1. Checkpoints
+go to a new temporary folder, removed at the end, unless ``--output-dir`` names
+one (kept).
 
 The model is a tiny Llama built from a config (no download). Every
 ``--eval-every`` steps it evaluates under ``torch.no_grad()`` and then saves the
@@ -20,10 +25,12 @@ stay unsharded after the evaluation. At the end it resumes from the last
 checkpoint into a fresh model and checks that training continues identically.
 """
 
-import backport; backport.apply()  # noqa: I001 - first, before anything checkpoints
-
 import argparse
 import gc
+import shutil
+import sys
+import tempfile
+import traceback
 
 import torch
 import torch.distributed
@@ -37,6 +44,8 @@ from accelerate.utils.fsdp_utils import (
     save_fsdp_optimizer,
 )
 from transformers import LlamaConfig, LlamaForCausalLM
+
+import backport
 
 
 VOCAB = 128
@@ -97,24 +106,47 @@ def checkpoint(accelerator, plugin, model, optim, path: str) -> None:
     save_fsdp_model(plugin, accelerator, model, path)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--eval-every", type=int, default=3)
-    parser.add_argument("--output-dir", default="/tmp/fsdp2_eval_checkpoint")
+    parser.add_argument("--output-dir", help="kept at the end (default: a temporary folder)")
     parser.add_argument("--tied", action="store_true", help="tie embeddings and lm_head")
     parser.add_argument("--cpu-fsdp", action="store_true", help="run FSDP2 on CPU (gloo)")
-    args = parser.parse_args()
+    parser.add_argument("--without-backport", action="store_true",
+                        help="do not call backport.apply(): the first checkpoint fails")
+    return parser.parse_args()
 
-    accelerator, plugin, model, optim = build(args, seed=0)
-    accelerator.print(backport.status())
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def shared_temp_dir() -> str:
+    """A new temporary folder, made on rank 0, whose name every rank gets."""
+    name = [tempfile.mkdtemp(prefix="fsdp2_eval_ckpt_") if rank() == 0 else None]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def run(args, accelerator, plugin, model, optim, output_dir: str) -> None:
     losses, last_ckpt = {}, None
     for step in range(args.steps):
         losses[step] = train_step(accelerator, model, optim, step)
         if (step + 1) % args.eval_every == 0:
             eval_loss = evaluate(accelerator, model)
-            last_ckpt = (step, f"{args.output_dir}/step_{step}")
-            checkpoint(accelerator, plugin, model, optim, last_ckpt[1])
+            last_ckpt = (step, f"{output_dir}/step_{step}")
+            try:
+                checkpoint(accelerator, plugin, model, optim, last_ckpt[1])
+            except KeyError as err:
+                if not args.without_backport:
+                    raise
+                traceback.print_exc()
+                print(f"rank {rank()}: without the backport, "
+                      f"saving the optimizer after the evaluation raised KeyError: {err} "
+                      "(the bug backport.apply() fixes)", file=sys.stderr, flush=True)
+                raise SystemExit(1) from err
             accelerator.print(f"step {step}: eval loss {eval_loss:.4f}, saved {last_ckpt[1]}")
     accelerator.print("losses:", [round(loss, 6) for loss in losses.values()])
     if last_ckpt is None:
@@ -134,6 +166,23 @@ def main() -> None:
         accelerator.print(f"step {replay}: resumed loss {resumed_loss:.6f} == original: {same}")
         if not same:
             raise SystemExit("resumed training diverged from the original run")
+
+
+def main() -> None:
+    args = parse_args()
+    if not args.without_backport:
+        backport.apply()  # on every rank, before anything checkpoints
+    accelerator, plugin, model, optim = build(args, seed=0)
+    accelerator.print(backport.status())
+    output_dir = args.output_dir or shared_temp_dir()
+    try:
+        run(args, accelerator, plugin, model, optim, output_dir)
+        if args.output_dir is None and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every rank is done with the files
+    finally:
+        if args.output_dir is None and rank() == 0:
+            shutil.rmtree(output_dir, ignore_errors=True)
+
 
 if __name__ == "__main__":
     try:

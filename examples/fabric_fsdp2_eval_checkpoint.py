@@ -3,7 +3,7 @@
 Needs Lightning Fabric besides torch and the backport (tested with the one in
 pytorch-lightning 2.6.6: ``pip install pytorch-lightning==2.6.6``).
 
-    fabric run --devices 2 examples/fabric_fsdp2_eval_checkpoint.py --output-dir /tmp/ckpt
+    fabric run --devices 2 examples/fabric_fsdp2_eval_checkpoint.py
     torchrun --nproc-per-node 2 examples/fabric_fsdp2_eval_checkpoint.py --cpu   # no GPU
 
 Every ``--eval-every`` steps the model is evaluated under ``torch.no_grad()`` and
@@ -14,13 +14,20 @@ FSDP group stays unsharded after the evaluation; with ``--full-checkpoint``
 with "mixed torch.Tensor and DTensor". At the end the script evaluates once more,
 loads the first checkpoint into the same model and checks that training then
 continues exactly as it did after that checkpoint was taken.
-"""
 
-import backport; backport.apply()  # noqa: I001 - first, before anything checkpoints
+``--without-backport`` skips ``backport.apply()`` to show the bug: the first
+``fabric.save`` raises ``KeyError`` and the script exits with status 1.
+Checkpoints go to a new temporary folder, removed at the end, unless
+``--output-dir`` names one (kept).
+"""
 
 import argparse
 import gc
 import os
+import shutil
+import sys
+import tempfile
+import traceback
 
 import torch
 import torch.distributed
@@ -29,6 +36,8 @@ import torch.nn.functional as F
 from lightning_fabric import Fabric
 from lightning_fabric.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
+
+import backport
 
 
 VOCAB, DIM = 64, 32
@@ -93,28 +102,20 @@ def evaluate(model) -> float:
     return loss
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output-dir", default="/tmp/fabric_fsdp2_ckpt")
+    parser.add_argument("--output-dir", help="kept at the end (default: a temporary folder)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--full-checkpoint", action="store_true",
                         help="one consolidated file instead of a distributed checkpoint")
     parser.add_argument("--cpu", action="store_true", help="run on CPU (gloo)")
-    args = parser.parse_args()
+    parser.add_argument("--without-backport", action="store_true",
+                        help="do not call backport.apply(): the first checkpoint fails")
+    return parser.parse_args()
 
-    # On CPU "auto" means one device; take the launcher's process count instead.
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if args.cpu else "auto"
-    strategy = ModelParallelStrategy(
-        parallelize_fn=parallelize,
-        data_parallel_size=devices,
-        tensor_parallel_size=1,
-        save_distributed_checkpoint=not args.full_checkpoint,
-    )
-    fabric = Fabric(accelerator="cpu" if args.cpu else "auto", devices=devices, strategy=strategy)
-    fabric.launch()
-    fabric.print(backport.status())
-    os.makedirs(args.output_dir, exist_ok=True)  # a full checkpoint is a file in it
+
+def run(args, fabric, output_dir: str) -> None:
     torch.manual_seed(0)
     model = fabric.setup(TinyLM())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -124,9 +125,18 @@ def main() -> None:
         losses[step] = train_step(fabric, model, optimizer, step)
         if step % args.eval_every == 0:
             eval_loss = evaluate(model)
-            path = f"{args.output_dir}/step_{step}"
+            path = f"{output_dir}/step_{step}"
             # Optimizer first: the order Fabric's docs leave to the user.
-            fabric.save(path, {"optimizer": optimizer, "model": model, "step": step})
+            try:
+                fabric.save(path, {"optimizer": optimizer, "model": model, "step": step})
+            except KeyError as err:
+                if not args.without_backport:
+                    raise
+                traceback.print_exc()
+                print(f"rank {fabric.global_rank}: without the backport, fabric.save after "
+                      f"the evaluation raised KeyError: {err} (the bug backport.apply() fixes)",
+                      file=sys.stderr, flush=True)
+                raise SystemExit(1) from err
             fabric.print(f"step {step}: eval loss {eval_loss:.4f}, saved {path}")
             first = first or path
 
@@ -138,6 +148,35 @@ def main() -> None:
     for step in range(state["step"] + 1, args.steps + 1):
         loss = train_step(fabric, model, optimizer, step)
         fabric.print(f"step {step}: resumed loss {loss:.4f} == original: {loss == losses[step]}")
+
+
+def main() -> None:
+    args = parse_args()
+    if not args.without_backport:
+        backport.apply()  # on every rank, before anything checkpoints
+    # On CPU "auto" means one device; take the launcher's process count instead.
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if args.cpu else "auto"
+    strategy = ModelParallelStrategy(
+        parallelize_fn=parallelize,
+        data_parallel_size=devices,
+        tensor_parallel_size=1,
+        save_distributed_checkpoint=not args.full_checkpoint,
+    )
+    fabric = Fabric(accelerator="cpu" if args.cpu else "auto", devices=devices, strategy=strategy)
+    fabric.launch()
+    fabric.print(backport.status())
+    # A new folder made on rank 0, whose name every rank gets.
+    output_dir = args.output_dir or fabric.broadcast(
+        tempfile.mkdtemp(prefix="fsdp2_eval_ckpt_") if fabric.global_rank == 0 else None
+    )
+    os.makedirs(output_dir, exist_ok=True)  # a full checkpoint is a file in it
+    try:
+        run(args, fabric, output_dir)
+        if args.output_dir is None:
+            fabric.barrier()  # every rank is done with the files
+    finally:
+        if args.output_dir is None and fabric.global_rank == 0:
+            shutil.rmtree(output_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Each test module declares what nox selects it by: the markers cannot drift from the code."""
 
+import ast
 import re
+import sys
 import unittest
 from pathlib import Path
 
@@ -14,6 +16,21 @@ STARTS_RANKS = re.compile(
     r"\"benchmarks\"|\"examples\"|fuzz_differential\.check"
 )
 PYTESTMARK = re.compile(r"^pytestmark = (.*)$", re.MULTILINE)
+
+
+# What the package itself requires, whatever the extra.
+REQUIRED = {"torch", "numpy"}
+
+
+def imported_top_level(source: str) -> set[str]:
+    """The modules a file imports when it is imported (not in functions or try blocks)."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
 
 
 def declared_marks(source: str) -> set[str]:
@@ -37,6 +54,30 @@ class MarkersTest(unittest.TestCase):
             marks = declared_marks(path.read_text())
             with self.subTest(path.name):
                 self.assertTrue("fresh_ranks" not in marks or "ranks" in marks)
+
+    def test_the_dev_extra_runs_every_module_not_marked_ranks(self) -> None:
+        # pytest -m "not ranks" with only torch and .[dev] installed (the README's fast
+        # path): every third-party import of those modules, and of the test helpers they
+        # import, is the package's own requirement or in the dev extra.
+        extra = re.search(r"^dev = \[(.*)\]$", (HERE.parent / "pyproject.toml").read_text(),
+                          re.MULTILINE)
+        dev = {re.split(r"[<>=!~ \[]", req)[0] for req in re.findall(r'"([^"]+)"', extra[1])}
+        local = {path.stem for path in HERE.glob("*.py")} | {"backport"}
+        for path in sorted(HERE.glob("test_*.py")):
+            if "ranks" in declared_marks(path.read_text()):
+                continue
+            seen, todo, third_party = set(), [path.stem, "conftest"], set()
+            while todo:
+                name = todo.pop()
+                seen.add(name)
+                for imported in imported_top_level((HERE / f"{name}.py").read_text()):
+                    if imported in local:
+                        if imported not in seen and imported != "backport":
+                            todo.append(imported)
+                    elif imported not in sys.stdlib_module_names:
+                        third_party.add(imported)
+            with self.subTest(path.name):
+                self.assertLessEqual(third_party, dev | REQUIRED)
 
 
 if __name__ == "__main__":
