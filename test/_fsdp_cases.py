@@ -248,30 +248,43 @@ def tp_mesh_shape(case: Case, world_size: int) -> tuple[tuple[int, ...], tuple[s
     return (dp, case.tp), ("dp", "tp")
 
 
-def _tensor_parallelize(model: TinyLM, case: Case, world_size: int):
-    """Megatron-style TP on the blocks (SP on the rest if asked); the FSDP mesh.
+def device_meshes(fsdp_shape: tuple[int, ...], tp: int = 0):
+    """The CPU mesh of ``fsdp_shape`` ("dp", or "replicate" and "shard") and a "tp"
+    dimension of ``tp`` ranks if ``tp``: (whole mesh, FSDP mesh, TP mesh or None)."""
+    names = ("dp",) if len(fsdp_shape) == 1 else ("replicate", "shard")
+    if not tp:
+        mesh = init_device_mesh("cpu", tuple(fsdp_shape), mesh_dim_names=names)
+        return mesh, mesh, None
+    mesh = init_device_mesh("cpu", (*fsdp_shape, tp), mesh_dim_names=(*names, "tp"))
+    return mesh, mesh[names], mesh["tp"]
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """Megatron-style TP on every ``Block``'s lin1 and lin2 (SP on the rest if asked).
 
     With SP the activations between blocks are sharded on the sequence
     dimension and the embedding, norm and head are tensor parallel too, as in
     torchtitan's plan; without it they stay plain parameters.
     """
-    shape, names = tp_mesh_shape(case, world_size)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    layout = Shard(1) if case.sequence_parallel else Replicate()
-    if case.sequence_parallel:
-        plan = {
-            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=layout),
-            "norm": SequenceParallel(),
-            "head": ColwiseParallel(input_layouts=layout, output_layouts=Replicate()),
-        }
-        parallelize_module(model, mesh["tp"], plan)
-    block_plan = {
-        "lin1": ColwiseParallel(input_layouts=layout),
-        "lin2": RowwiseParallel(output_layouts=layout),
-    }
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], block_plan)
-    return mesh[names[:-1]]
+    layout = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {}
+    if sequence_parallel:
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=layout)
+        plan["norm"] = SequenceParallel()
+        plan["head"] = ColwiseParallel(input_layouts=layout, output_layouts=Replicate())
+    for path, module in model.named_modules():
+        if type(module).__name__ == "Block":
+            plan[f"{path}.lin1"] = ColwiseParallel(input_layouts=layout)
+            plan[f"{path}.lin2"] = RowwiseParallel(output_layouts=layout)
+    parallelize_module(model, tp_mesh, plan)
+
+
+def _tensor_parallelize(model: TinyLM, case: Case, world_size: int):
+    """``apply_tensor_parallel`` on ``case``'s mesh; returns the FSDP mesh."""
+    shape, _ = tp_mesh_shape(case, world_size)
+    _, mesh, tp_mesh = device_meshes(shape[:-1], shape[-1])
+    apply_tensor_parallel(model, tp_mesh, case.sequence_parallel)
+    return mesh
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

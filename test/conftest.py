@@ -3,15 +3,13 @@ import os
 import sys
 
 import pytest
-import torch
 
 from _ranks import shared_worlds
+from _versions import IS_TORCH_27
 
 
 # The rank processes import test helpers by module name.
 sys.path.insert(0, os.path.dirname(__file__))
-
-IS_TORCH_27 = torch.__version__ < (2, 8)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -27,7 +27,6 @@ from typing import Any
 
 import expecttest
 import pytest
-import torch
 import torch.distributed as dist
 
 import backport
@@ -43,14 +42,12 @@ from _fsdp_cases import (
     train_step,
 )
 from _ranks import RankError, run_ranks
+from _versions import IS_TORCH_27
 
 
 pytestmark = pytest.mark.ranks
 
 
-# 2.7 rejects the root's reshard_after_forward=None that build() uses;
-# test_torch27.py covers 2.7.
-IS_TORCH_27 = torch.__version__ < (2, 8)
 # The root group holds only the frozen embedding; [norm, head] is its own group.
 FROZEN_ROOT = Case(frozen=True, tail=True)
 # A desynchronized collective fails in seconds; a hang would end here, not in

@@ -36,14 +36,10 @@ from _fsdp_cases import (
     unpatched_then_patched,
 )
 from _ranks import run_ranks
+from _versions import IS_TORCH_27
 
 
 pytestmark = pytest.mark.ranks
-
-
-# 2.7 never reshards its root after a forward and was not measured here;
-# test_torch27.py covers it.
-IS_TORCH_27 = torch.__version__ < (2, 8)
 
 
 def _build() -> tuple[TinyLM, torch.optim.Optimizer]:

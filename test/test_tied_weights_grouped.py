@@ -32,14 +32,12 @@ from torch.distributed.tensor import DTensor
 import backport
 from _fsdp_cases import StateDictOptions, clone, get_model_state_dict
 from _ranks import RankError, run_ranks
+from _versions import IS_TORCH_27
 
 
 pytestmark = pytest.mark.ranks
 
 
-# 2.7 never reshards its root after a forward and was not measured here;
-# test_torch27.py covers it.
-IS_TORCH_27 = torch.__version__ < (2, 8)
 FULL = StateDictOptions(full_state_dict=True)
 
 

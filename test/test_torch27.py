@@ -15,7 +15,6 @@ import unittest
 
 import expecttest
 import pytest
-import torch
 
 from _fsdp_cases import (
     Case,
@@ -26,12 +25,11 @@ from _fsdp_cases import (
     unpatched_then_patched,
 )
 from _ranks import run_ranks
+from _versions import IS_TORCH_27
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.torch27]
 
-
-IS_TORCH_27 = torch.__version__ >= (2, 7) and torch.__version__ < (2, 8)
 
 CASES_27 = {
     # An explicit True on the root: resharded after a forward from 2.8 only.
