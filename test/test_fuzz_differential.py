@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import fuzz_differential
-from fuzz_configs import make_config
 
 
 # Its worlds tolerate a rank that dies at exit (fuzz_differential.run_configs).
@@ -42,21 +41,6 @@ PRIMARY_HERE = _release() == FUZZ_RELEASES[0] or os.environ.get("FUZZ_ANY_TORCH"
 primary_release_only = unittest.skipUnless(
     PRIMARY_HERE, "CI runs it on torch 2.10 (FUZZ_ANY_TORCH=1: here too)"
 )
-
-
-class FuzzConfigsTest(unittest.TestCase):
-    def test_a_configuration_is_its_seed_and_index(self) -> None:
-        self.assertEqual(make_config(3, 5, 2), make_config(3, 5, 2))
-        self.assertNotEqual(make_config(3, 5, 2), make_config(3, 6, 2))
-        self.assertNotEqual(make_config(3, 5, 2), make_config(4, 5, 2))
-
-    def test_repro_script_carries_the_configuration(self) -> None:
-        script = fuzz_differential.repro_script(3, 5, 2)
-        compile(script, "repro.py", "exec")
-        namespace: dict = {}
-        config_source = script.split("CONFIG = ", 1)[1].split("\n\n\n", 1)[0]
-        exec(f"CONFIG = {config_source}", namespace)  # noqa: S102 - our own literal
-        self.assertEqual(namespace["CONFIG"], make_config(3, 5, 2))
 
 
 @unittest.skipUnless(RUN_HERE, "CI runs it on torch 2.10 and 2.15 (FUZZ_ANY_TORCH=1: here too)")
