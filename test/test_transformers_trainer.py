@@ -1,4 +1,4 @@
-"""transformers Trainer 5.24.0 with FSDP2 (accelerate 1.15.0): evaluate, save, resume, 2 ranks.
+"""transformers Trainer 5.25.0 with FSDP2 (accelerate 1.16.0): evaluate, save, resume, 2 ranks.
 
 The Trainer's own evaluation, checkpointing and ``resume_from_checkpoint`` run unchanged. What CPU
 needs: ``use_cpu=True`` (gloo); accelerate turns FSDP on only for accelerator devices, so a
