@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: BSD-3-Clause
-# From fsdp2-dcp-eval-backport: a vendored copy of its backport/__init__.py.
+# backport/__init__.py of fsdp2-dcp-eval-backport 0.1.0: this one file is the whole
+# backport; copies keep these lines.
 """Make DCP optimizer state dicts work after an FSDP2 evaluation forward.
 
 An FSDP2 group with ``reshard_after_forward=False`` (the root's default) or an

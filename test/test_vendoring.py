@@ -49,9 +49,10 @@ class VendoringTest(unittest.TestCase):
 
     def test_header_names_license_and_origin(self) -> None:
         # A vendored copy keeps both lines: the license and where it comes from.
-        self.assertEqual(SOURCE.read_text().splitlines()[:2], [
+        self.assertEqual(SOURCE.read_text().splitlines()[:3], [
             "# SPDX-License-Identifier: BSD-3-Clause",
-            "# From fsdp2-dcp-eval-backport: a vendored copy of its backport/__init__.py.",
+            "# backport/__init__.py of fsdp2-dcp-eval-backport 0.1.0: this one file is the whole",
+            "# backport; copies keep these lines.",
         ])
 
     def test_docstrings_state_the_rank_local_rule(self) -> None:
