@@ -203,10 +203,11 @@ def _mechanisms(model, optim) -> dict:
                 module.reshard()
 
     return {
-        # What the backport adds to _verify_options: PR A's (0001) reshard loop
-        # and its own plain-module extension (one isinstance for an FSDP root).
+        # What the backport adds to _verify_options in an optimizer call: PR A's
+        # (0001) reshard loop with its check of the optimizer, and its own
+        # plain-module extension (one isinstance for an FSDP root).
         "fix": lambda: (
-            backport._reshard_fsdp2_modules(model),
+            backport._reshard_fsdp2_modules(model, (optim,)),
             backport._reshard_fsdp2_groups_of_plain_module(model),
         ),
         # The bound the fix is held to (torchtitan#1173's loop).
@@ -285,11 +286,11 @@ def _bench_layers(n_modules: int, repeats: int, eval_repeats: int) -> dict:
     for _ in range(eval_repeats):
         _eval_forward(model, inp)
         start = time.perf_counter()
-        backport._reshard_fsdp2_modules(model)
+        backport._reshard_fsdp2_modules(model, ())
         reshard.append(time.perf_counter() - start)
         _eval_forward(model, inp)  # root unsharded again
         fwd_unsharded.append(_time(lambda: _eval_forward(model, inp), 1))
-        backport._reshard_fsdp2_modules(model)
+        backport._reshard_fsdp2_modules(model, ())
         start = time.perf_counter()
         _eval_forward(model, inp)  # the root all-gathers first
         fwd_resharded.append(time.perf_counter() - start)
