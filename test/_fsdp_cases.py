@@ -722,7 +722,7 @@ def optimizer_built_after_evaluation_worker(cases: dict[str, Case]) -> dict[str,
                 for call in ("get", "set"):
                     if label == "unpatched" and "resharded" in built and not keeps_storage:
                         # Stock DSD's zero-grad step() writes to the freed storage.
-                        lines.append(f"{name}, built {built}, {call}: not run (SIGSEGV)")
+                        lines.append(f"{name}, built {built}, {call}: not run (step() on freed storage)")
                     else:
                         lines.append(run(name, case, built, call))
         return "\n".join(lines)

@@ -107,10 +107,12 @@ control: reshard_after_forward=True | all 6 calls ok                            
         cases = {"int8": Case(int8_training=True, root=True, blocks=False)}
         result = run_agreed(2, optimizer_built_after_evaluation_worker, cases)
         self.assertExpectedInline(render_before_after(result), """\
-                                     | stock -> backport applied
-int8, built before any forward, get  | ok, state for 12 of 12 optimizer params
-int8, built after an evaluation, get | ok, state for 12 of 12 optimizer params -> ValueError: Adam param_groups[0]['params'][1] (shape (8, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
-int8, built after an evaluation, set | ok -> ValueError: Adam param_groups[0]['params'][1] (shape (8, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().""")
+                                                                | stock -> backport applied
+int8, built before any forward, get                             | ok, state for 12 of 12 optimizer params
+int8, built after an evaluation, get                            | ok, state for 12 of 12 optimizer params -> ValueError: Adam param_groups[0]['params'][1] (shape (8, 8)) is an FSDP2 unsharded parameter: the optimizer was built while FSDP2 modules were unsharded (e.g. after a forward without backward) and does not hold the sharded parameters that training updates. Build the optimizer from model.parameters() right after fully_shard().
+int8, built after an evaluation, set                            | ok -> ValueError: Adam param_groups[0]['params'][1] (shape (8, 8)) is an FSDP2 unsharded parameter: the optimizer was built while FSDP2 modules were unsharded (e.g. after a forward without backward) and does not hold the sharded parameters that training updates. Build the optimizer from model.parameters() right after fully_shard().
+int8, built after an evaluation, resharded before the call, get | not run (step() on freed storage) -> ValueError: Adam param_groups[0]['params'][1] (shape (8, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().
+int8, built after an evaluation, resharded before the call, set | not run (step() on freed storage) -> ValueError: Adam param_groups[0]['params'][1] (shape (8, 8)) has no allocated storage, e.g. an FSDP2 unsharded parameter freed by reshard(), so the optimizer cannot be stepped to initialize its state. Build the optimizer from model.parameters() right after fully_shard().""")
 
 
 @unittest.skipUnless(find_spec("torchao"), "needs the torchao extra (nox: torch 2.10 on)")
