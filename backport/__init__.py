@@ -151,10 +151,12 @@ def _reshard_fsdp2_modules(
     """
     from torch.distributed.fsdp import FSDPModule
 
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not fsdp_modules:
+        return
     params_before = set(model.parameters()) if optims else set()
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    for module in fsdp_modules:
+        module.reshard()
     if not optims:
         return
     # The parameters the reshard unregistered are unsharded ones: an optimizer
@@ -183,13 +185,14 @@ def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
     Raise if ``optim`` holds a parameter whose storage has been freed.
 
     An optimizer built while FSDP2 modules were unsharded holds their unsharded
-    parameters, whose storage ``reshard()`` frees by default; ``step()`` on one
-    writes to freed memory. A traceable wrapper subclass (a DTensor under
-    tensor parallelism, a quantized or float8 training tensor) is checked
-    through the inner tensors its ``__tensor_flatten__`` names. Best effort:
-    tensors without storage (sparse, mkldnn) are skipped, and a wrapper
-    subclass without ``__tensor_flatten__`` is checked by its placeholder
-    storage, which is never empty.
+    parameters; ``_reshard_fsdp2_modules`` catches it while they are registered,
+    this check once something resharded the model before the call, which by
+    default frees their storage; ``step()`` on one writes to freed memory. A
+    traceable wrapper subclass (a DTensor under tensor parallelism, a quantized
+    or float8 training tensor) is checked through the inner tensors its
+    ``__tensor_flatten__`` names. Best effort: tensors without storage (sparse,
+    mkldnn) are skipped, and a wrapper subclass without ``__tensor_flatten__``
+    is checked by its placeholder storage, which is never empty.
     """
     import torch
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
