@@ -60,8 +60,8 @@ torch <torch> + 0001 + 0002:
   git apply 0001-DSD-Reshard-FSDP2-modules-before-mapping-optimizer-p.patch: clean
   git apply 0002-DSD-Raise-a-descriptive-error-for-optimizer-params-n.patch: clean
   upstream test test/distributed/checkpoint/fsdp/test_fsdp_dsd.py:
-    torch as installed: failed (2 tests, FAILED (errors=2)) in <n> s
-    patched state_dict.py: passed (2 tests, OK) in <n> s
+    torch as installed: failed (3 tests, FAILED (errors=3)) in <n> s
+    patched state_dict.py: passed (3 tests, OK) in <n> s
   upstream test test/distributed/checkpoint/test_state_dict.py:
     torch as installed: failed (4 tests, FAILED (errors=3)) in <n> s
     patched state_dict.py: passed (4 tests, OK) in <n> s
