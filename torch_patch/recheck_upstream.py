@@ -77,6 +77,17 @@ def _git_apply(tree: Path, patch: Path) -> tuple[bool, str]:
     return False, f"{patch.name}: {first}{hunk}"
 
 
+def _git_apply_all(tree: Path, patches: list[Path]) -> tuple[bool, str]:
+    """Apply ``patches`` in order; whether all applied, and how, or the first conflict."""
+    how = ""
+    for patch in patches:
+        applied, note = _git_apply(tree, patch)
+        if not applied:
+            return False, note
+        how += note
+    return True, how
+
+
 def _added_tests(patches: list[Path], test_file: str) -> list[str]:
     """Names of the test functions ``patches`` add to, or change in, ``test_file``."""
     names: list[str] = []
@@ -114,13 +125,10 @@ def _torch_stage(name: str, checkout: Path, patches: list[Path], tests: bool) ->
             shutil.copyfile(checkout / path, tree / path)
     if prove.TARGET in missing:
         return _report(name, False, f"FAILS: {prove.TARGET} is not in {checkout}")
-    how = ""
-    for patch in patches:
-        applied, note = _git_apply(tree, patch)
-        if not applied:
-            shutil.rmtree(scratch)
-            return _report(name, False, f"CONFLICTS: {note}")
-        how += note
+    applied, how = _git_apply_all(tree, patches)
+    if not applied:
+        shutil.rmtree(scratch)
+        return _report(name, False, f"CONFLICTS: {how}")
     if not tests:
         return _report(name, True, f"applies{how}, tests not run", scratch)
     site = scratch / "site"
@@ -170,13 +178,10 @@ def _lightning(checkout: Path | None, tests: bool) -> bool:
             shutil.copy2(entry, scratch / entry.name)
         elif entry.name in touched:
             shutil.copytree(entry, scratch / entry.name, symlinks=True)
-    how = ""
-    for patch in LIGHTNING_PATCHES:
-        applied, note = _git_apply(scratch, patch)
-        if not applied:
-            shutil.rmtree(scratch)
-            return _report(name, False, f"CONFLICTS: {note}")
-        how += note
+    applied, how = _git_apply_all(scratch, LIGHTNING_PATCHES)
+    if not applied:
+        shutil.rmtree(scratch)
+        return _report(name, False, f"CONFLICTS: {how}")
     if not tests:
         return _report(name, True, f"applies{how}, tests not run", scratch)
     targets = []
