@@ -313,6 +313,18 @@ _FSDP2_TO_SHARDED_HOOK = (
 )
 
 
+def _optim_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Return the parameters of ``optim``, in the order its state_dict() numbers them."""
+    return [param for group in optim.param_groups for param in group[_PARAMS]]
+
+
+def _has_fsdp2_module(model: nn.Module) -> bool:
+    """Return whether ``model`` or a module below it is an FSDP2 module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
 def _reshard_fsdp2_groups_of_plain_module(model: nn.Module) -> None:
     """Reshard the FSDP2 groups above a plain ``model`` that own its parameters.
 
@@ -345,19 +357,20 @@ def _verify_optim_params_reachable(
     with torch's Tensor/DTensor mismatch, which does not name the cause. Torch
     raises a ``KeyError`` for this input in the optimizer part either way.
     """
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     if info.fsdp_modules:
         return
     for optim in optims:
-        for group in optim.param_groups:
-            for param in group[_PARAMS]:
-                if isinstance(param, DTensor) and param not in info.fqn_param_mapping:
-                    # Walked only on this error path, not on every call.
-                    if any(isinstance(m, FSDPModule) for m in model.modules()):
-                        return
-                    raise _unowned_param_error_here(model, optim, param, info)
+        for param in _optim_params(optim):
+            if isinstance(param, DTensor) and param not in info.fqn_param_mapping:
+                # Scanned only on this error path, not on every call.
+                has_fsdp2_module = _has_fsdp2_module(model)
+                if has_fsdp2_module:
+                    return
+                raise _unowned_param_error_here(
+                    model, optim, param, info, has_fsdp2_module
+                )
 
 
 def _wrap_verify_options(verify_options: Callable) -> Callable:
@@ -389,6 +402,7 @@ def _unowned_param_error_here(
     optim: torch.optim.Optimizer,
     key: torch.Tensor | int | str,
     info: _StateDictInfo,
+    has_fsdp2_module: bool,
 ) -> OptimizerParamNotInModelError:
     """0002's error, and the backport's own cause when it found nothing to reshard.
 
@@ -398,15 +412,10 @@ def _unowned_param_error_here(
     the parameter, and FSDP2 registers that hook on the first module holding a
     shared parameter only: the secondary module of tied weights has none.
     """
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     error = _unowned_optim_param_error(optim, key, info)
-    params = [p for group in optim.param_groups for p in group[_PARAMS]]
-    param = params[key] if isinstance(key, int) and 0 <= key < len(params) else key
-    if not isinstance(param, DTensor) or any(
-        isinstance(module, FSDPModule) for module in model.modules()
-    ):
+    if has_fsdp2_module or not isinstance(key, DTensor):
         return error
     return OptimizerParamNotInModelError(
         f"{error} The module passed in ({type(model).__name__}) contains no FSDP "
@@ -431,16 +440,20 @@ def _wrap_get_optim_state_dict(get_optim_state_dict: Callable) -> Callable:
                 raise
             owned = {id(param) for _, param in model.named_parameters()}
             for optim in optimizers:
-                params = [p for group in optim.param_groups for p in group[_PARAMS]]
+                params = _optim_params(optim)
                 if isinstance(key, int) and 0 <= key < len(params):
-                    unowned = id(params[key]) not in owned
+                    # The parameter itself: 0002's error names it as for its index.
+                    unowned = None if id(params[key]) in owned else params[key]
                 else:
                     osd = optim.state_dict()
-                    unowned = key in osd["state"] or any(
+                    in_osd = key in osd["state"] or any(
                         key in group[_PARAMS] for group in osd["param_groups"]
                     )
-                if unowned:
-                    raise _unowned_param_error_here(model, optim, key, info) from err
+                    unowned = key if in_osd else None
+                if unowned is not None:
+                    raise _unowned_param_error_here(
+                        model, optim, unowned, info, _has_fsdp2_module(model)
+                    ) from err
             raise
 
     return _get_optim_state_dict
@@ -456,10 +469,14 @@ def _wrap_load_optim_state_dict(load_optim_state_dict: Callable) -> Callable:
         except KeyError as err:
             missing = err.args[0] if len(err.args) == 1 else None
             for optim in optimizers:
-                params = (p for group in optim.param_groups for p in group[_PARAMS])
-                unowned = next((p for p in params if p not in info.fqn_param_mapping), None)
+                unowned = next(
+                    (p for p in _optim_params(optim) if p not in info.fqn_param_mapping),
+                    None,
+                )
                 if unowned is not None and missing is unowned:
-                    raise _unowned_param_error_here(model, optim, unowned, info) from err
+                    raise _unowned_param_error_here(
+                        model, optim, unowned, info, _has_fsdp2_module(model)
+                    ) from err
             raise
 
     return _load_optim_state_dict
@@ -469,9 +486,7 @@ def _wrap_init_optim_state(init_optim_state: Callable) -> Callable:
     # 0001 checks right before the zero-grad step(), after the early returns.
     @functools.wraps(init_optim_state)
     def _init_optim_state(optim):
-        if not optim.state and all(
-            param.grad is None for group in optim.param_groups for param in group[_PARAMS]
-        ):
+        if not optim.state and all(param.grad is None for param in _optim_params(optim)):
             _verify_optim_params_allocated(optim)
         return init_optim_state(optim)
 
