@@ -305,9 +305,12 @@ def _unowned_optim_param_error(
     return OptimizerParamNotInModelError(msg)
 
 
-# Backport only, not proposed to PyTorch (DSD must not depend on FSDP2's
-# private names; the Lightning change in upstream/lightning_patch/ fixes its caller):
-# the state_dict pre-hook that FSDP2 registers on each module holding its params.
+# The helpers below are the backport's own, in no patch. Its reshard of a plain
+# module's groups calls FSDP2's private hook, which DSD must not depend on; the
+# Lightning change in upstream/lightning_patch/ fixes that caller instead.
+
+
+# The state_dict pre-hook that FSDP2 registers on each module holding its params.
 _FSDP2_TO_SHARDED_HOOK = (
     "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"
 )
@@ -344,60 +347,7 @@ def _reshard_fsdp2_groups_of_plain_module(model: nn.Module) -> None:
                 hook(module, "", True)
 
 
-def _verify_optim_params_reachable(
-    model: nn.Module,
-    optims: tuple[torch.optim.Optimizer, ...],
-    info: _StateDictInfo,
-) -> None:
-    """Raise the unowned-parameter error before the model part of a call.
-
-    ``get_state_dict`` and ``set_state_dict`` handle the model first: for the
-    secondary module of tied weights, whose group an FSDP module outside it
-    keeps unsharded, ``set_state_dict`` would otherwise fail loading the model
-    with torch's Tensor/DTensor mismatch, which does not name the cause. Torch
-    raises a ``KeyError`` for this input in the optimizer part either way.
-    """
-    from torch.distributed.tensor import DTensor
-
-    if info.fsdp_modules:
-        return
-    for optim in optims:
-        for param in _optim_params(optim):
-            if isinstance(param, DTensor) and param not in info.fqn_param_mapping:
-                # Scanned only on this error path, not on every call.
-                has_fsdp2_module = _has_fsdp2_module(model)
-                if has_fsdp2_module:
-                    return
-                raise _unowned_param_error_here(
-                    model, optim, param, info, has_fsdp2_module
-                )
-
-
-def _wrap_verify_options(verify_options: Callable) -> Callable:
-    @functools.wraps(verify_options)
-    def _verify_options(
-        model: nn.Module,
-        optims: tuple[torch.optim.Optimizer, ...],
-        optim_only: bool,
-        *,
-        submodules: set[nn.Module] | None = None,
-        options: StateDictOptions | None = None,
-    ) -> _StateDictInfo:
-        # 0001 reshards after this check, which the original raises for.
-        if optims or not optim_only:
-            _reshard_fsdp2_modules(model, optims)
-            _reshard_fsdp2_groups_of_plain_module(model)
-        info = verify_options(
-            model, optims, optim_only, submodules=submodules, options=options
-        )
-        if optims and not optim_only:
-            _verify_optim_params_reachable(model, optims, info)
-        return info
-
-    return _verify_options
-
-
-def _unowned_param_error_here(
+def _unowned_param_error_with_cause(
     model: nn.Module,
     optim: torch.optim.Optimizer,
     key: torch.Tensor | int | str,
@@ -426,6 +376,59 @@ def _unowned_param_error_here(
     )
 
 
+def _raise_unowned_before_model_part(
+    model: nn.Module,
+    optims: tuple[torch.optim.Optimizer, ...],
+    info: _StateDictInfo,
+) -> None:
+    """Raise the unowned-parameter error before the model part of a call.
+
+    ``get_state_dict`` and ``set_state_dict`` handle the model first: for the
+    secondary module of tied weights, whose group an FSDP module outside it
+    keeps unsharded, ``set_state_dict`` would otherwise fail loading the model
+    with torch's Tensor/DTensor mismatch, which does not name the cause. Torch
+    raises a ``KeyError`` for this input in the optimizer part either way.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if info.fsdp_modules:
+        return
+    for optim in optims:
+        for param in _optim_params(optim):
+            if isinstance(param, DTensor) and param not in info.fqn_param_mapping:
+                # Scanned only on this error path, not on every call.
+                has_fsdp2_module = _has_fsdp2_module(model)
+                if has_fsdp2_module:
+                    return
+                raise _unowned_param_error_with_cause(
+                    model, optim, param, info, has_fsdp2_module
+                )
+
+
+def _wrap_verify_options(verify_options: Callable) -> Callable:
+    @functools.wraps(verify_options)
+    def _verify_options(
+        model: nn.Module,
+        optims: tuple[torch.optim.Optimizer, ...],
+        optim_only: bool,
+        *,
+        submodules: set[nn.Module] | None = None,
+        options: StateDictOptions | None = None,
+    ) -> _StateDictInfo:
+        # 0001 reshards after this check, which the original raises for.
+        if optims or not optim_only:
+            _reshard_fsdp2_modules(model, optims)
+            _reshard_fsdp2_groups_of_plain_module(model)
+        info = verify_options(
+            model, optims, optim_only, submodules=submodules, options=options
+        )
+        if optims and not optim_only:
+            _raise_unowned_before_model_part(model, optims, info)
+        return info
+
+    return _verify_options
+
+
 def _wrap_get_optim_state_dict(get_optim_state_dict: Callable) -> Callable:
     # 0002 raises where this function's state-key -> FQN lookups raise
     # KeyError(key): for a key that is not an index of the optimizer's
@@ -451,7 +454,7 @@ def _wrap_get_optim_state_dict(get_optim_state_dict: Callable) -> Callable:
                     )
                     unowned = key if in_osd else None
                 if unowned is not None:
-                    raise _unowned_param_error_here(
+                    raise _unowned_param_error_with_cause(
                         model, optim, unowned, info, _has_fsdp2_module(model)
                     ) from err
             raise
@@ -474,7 +477,7 @@ def _wrap_load_optim_state_dict(load_optim_state_dict: Callable) -> Callable:
                     None,
                 )
                 if unowned is not None and missing is unowned:
-                    raise _unowned_param_error_here(
+                    raise _unowned_param_error_with_cause(
                         model, optim, unowned, info, _has_fsdp2_module(model)
                     ) from err
             raise
@@ -554,7 +557,7 @@ def _remedy(first: str) -> str:
     )
 
 
-def _check_support(version: str, module: ModuleType) -> str | None:
+def _why_no_patch_needed(version: str, module: ModuleType) -> str | None:
     """Return why ``module`` of torch ``version`` needs no patch, or None.
 
     Raises UnsupportedTorchError when it can be neither patched nor skipped.
@@ -602,7 +605,7 @@ def _check_support(version: str, module: ModuleType) -> str | None:
     return None
 
 
-def _target_module() -> tuple[ModuleType, ModuleType]:
+def _torch_and_state_dict_module() -> tuple[ModuleType, ModuleType]:
     import torch
     import torch.distributed.checkpoint.state_dict as state_dict_module
 
@@ -628,10 +631,10 @@ def apply() -> str:
         UnsupportedTorchError: torch is older than the tested releases, its
             version cannot be read, or the functions wrapped changed shape.
     """
-    torch, module = _target_module()
+    torch, module = _torch_and_state_dict_module()
     version = torch.__version__
     with _lock:
-        reason = _check_support(version, module)
+        reason = _why_no_patch_needed(version, module)
         if reason is None:
             todo = [n for n in _WRAPPERS if _backport_wrapper_in(getattr(module, n)) is None]
             # Before the first wrapper goes in: an error filter leaves torch unpatched.
@@ -658,7 +661,7 @@ def revert() -> str:
     wrapped this backport's wrapper there since: ``status()`` then says
     ``partly applied`` and to remove the wrapper over that function first.
     """
-    _, module = _target_module()
+    _, module = _torch_and_state_dict_module()
     with _lock:
         for name in _WRAPPERS:
             current = getattr(module, name, None)
@@ -675,7 +678,7 @@ def revert() -> str:
     return status()
 
 
-def _wrapped(module: ModuleType) -> dict[str, Callable]:
+def _backport_wrappers_in(module: ModuleType) -> dict[str, Callable]:
     """Name -> this backport's wrapper, for each function where calls go through it."""
     found = {name: _backport_wrapper_in(getattr(module, name, None)) for name in _WRAPPERS}
     return {name: wrapper for name, wrapper in found.items() if wrapper is not None}
@@ -683,13 +686,13 @@ def _wrapped(module: ModuleType) -> dict[str, Callable]:
 
 def is_applied() -> bool:
     """Whether calls to every function the backport wraps go through its wrapper now."""
-    _, module = _target_module()
-    return len(_wrapped(module)) == len(_WRAPPERS)
+    _, module = _torch_and_state_dict_module()
+    return len(_backport_wrappers_in(module)) == len(_WRAPPERS)
 
 
 def get_original() -> Any:
     """The unpatched ``_verify_options`` (the live one when the backport is not in it)."""
-    _, module = _target_module()
+    _, module = _torch_and_state_dict_module()
     current = getattr(module, _TARGET_NAME)
     wrapper = _backport_wrapper_in(current)
     return current if wrapper is None else wrapper.__wrapped__
@@ -697,12 +700,12 @@ def get_original() -> Any:
 
 def status() -> str:
     """One line: ``applied``, ``partly applied``, ``not applied``, ``not needed``, ``unsupported``."""
-    torch, module = _target_module()
+    torch, module = _torch_and_state_dict_module()
     version = torch.__version__
     untested = (
         f" (untested: newer than {_supported_range()})" if _is_untested(version) else ""
     )
-    wrapped = _wrapped(module)
+    wrapped = _backport_wrappers_in(module)
     if len(wrapped) == len(_WRAPPERS):
         applied = _applied_version(wrapped[_TARGET_NAME])
         return (
@@ -724,7 +727,7 @@ def status() -> str:
             )
         return line + f"call backport.apply() to wrap all {len(_WRAPPERS)}, or backport.revert()"
     try:
-        reason = _check_support(version, module)
+        reason = _why_no_patch_needed(version, module)
     except UnsupportedTorchError as err:
         return f"unsupported: {err}"
     if reason is not None:

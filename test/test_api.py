@@ -406,15 +406,15 @@ class SupportGateTest(expecttest.TestCase):
 
     def _error(self, version: str, module: types.ModuleType) -> str:
         with self.assertRaises(backport.UnsupportedTorchError) as ctx:
-            backport._check_support(version, module)
+            backport._why_no_patch_needed(version, module)
         return str(ctx.exception)
 
     def test_installed_torch_is_supported(self) -> None:
-        self.assertIsNone(backport._check_support(torch.__version__, dsd))
+        self.assertIsNone(backport._why_no_patch_needed(torch.__version__, dsd))
 
     def test_source_build_version_is_supported(self) -> None:
         # "2.13.0a0+git..." sorts before "2.13.0" but is a 2.13 build.
-        self.assertIsNone(backport._check_support("2.13.0a0+gitabc1234", dsd))
+        self.assertIsNone(backport._why_no_patch_needed("2.13.0a0+gitabc1234", dsd))
 
     def test_too_old(self) -> None:
         self.assertExpectedInline(
@@ -425,7 +425,7 @@ class SupportGateTest(expecttest.TestCase):
     def test_newer_release_with_the_same_shape_is_patched(self) -> None:
         # apply() warns on it (UpgradeBoundaryTest); the gate lets it through.
         for version in ("2.16.0", "3.0.0"):
-            self.assertIsNone(backport._check_support(version, dsd), version)
+            self.assertIsNone(backport._why_no_patch_needed(version, dsd), version)
 
     def test_unreadable_version(self) -> None:
         self.assertExpectedInline(
@@ -456,7 +456,7 @@ class SupportGateTest(expecttest.TestCase):
         module = _module_with(_verify_options)
         for version in ("2.13.0", "2.16.0"):
             self.assertExpectedInline(
-                backport._check_support(version, module).replace(version, "<v>"),
+                backport._why_no_patch_needed(version, module).replace(version, "<v>"),
                 """torch <v> already contains the fix; remove the backport""",
             )
 
@@ -553,7 +553,7 @@ class UpgradeBoundaryTest(expecttest.TestCase):
                 )
                 self.assertEqual(backport.status(), line)
                 self.assertIs(dsd._verify_options, _fixed_verify_options)
-                self.assertEqual(backport._wrapped(dsd), {})
+                self.assertEqual(backport._backport_wrappers_in(dsd), {})
 
     def test_older_torch_is_refused_with_the_remedy(self) -> None:
         with _torch_version("2.6.0"):
@@ -568,7 +568,7 @@ class UpgradeBoundaryTest(expecttest.TestCase):
         with _torch_version("2.16.0"), self.assertRaises(backport.UnsupportedTorchError) as ctx:
             backport.apply()
         self.assertIs(dsd._verify_options, _reshaped_verify_options)
-        self.assertEqual(backport._wrapped(dsd), {})
+        self.assertEqual(backport._backport_wrappers_in(dsd), {})
         self.assertExpectedInline(ctx.exception.reason, """torch 2.16.0 changed torch.distributed.checkpoint.state_dict._verify_options (expected parameters ('model', 'optims', 'optim_only', 'submodules', 'options'), found ('model', 'optims', 'optim_only', 'submodules', 'options', 'strict')), so this backport cannot patch it safely""")
         self.assertExpectedInline(ctx.exception.remedy, """pin torch <= 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells)""")
 

@@ -158,7 +158,7 @@ class PatchMatchesBackportTest(unittest.TestCase):
                 self.assertNotIn("to_sharded_hook", patch.read_text())
                 self.assertNotIn("an FSDP module outside it owns the group", patch.read_text())
         self.assertIn("an FSDP module outside it owns the group", inspect.getsource(
-            backport._unowned_param_error_here
+            backport._unowned_param_error_with_cause
         ))
 
 
