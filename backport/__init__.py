@@ -3,45 +3,37 @@
 # backport; copies keep these lines.
 """Make DCP optimizer state dicts work after an FSDP2 evaluation forward.
 
-An FSDP2 group with ``reshard_after_forward=False`` (the root's default) or an
-``int`` stays unsharded after a forward that has no backward, for example an
-evaluation under ``torch.no_grad()``. The model then holds the unsharded
-parameters while the optimizer holds the sharded DTensors, and
-``torch.distributed.checkpoint.state_dict`` fails to map optimizer params to
-FQNs: ``get_optimizer_state_dict`` raises ``KeyError: 0``,
-``set_optimizer_state_dict`` / ``set_state_dict`` raise ``KeyError: DTensor(...)``,
-and a full ``set_model_state_dict`` mixes Tensors and DTensors.
+After a forward without backward, FSDP2 groups with ``reshard_after_forward=False``
+(the root's default) or an ``int`` stay unsharded and
+``torch.distributed.checkpoint.state_dict`` fails: ``KeyError`` for the optimizer,
+mixed Tensors and DTensors in a full ``set_model_state_dict``.
 
-``apply()`` wraps ``torch.distributed.checkpoint.state_dict._verify_options``,
-which all six public state-dict functions call before anything else. It calls
-``FSDPModule.reshard()`` on every FSDP2 module in the module passed in (no
-collective, a no-op on sharded groups) and, for a plain module passed in,
-FSDP2's own state-dict pre-hook on the modules below it, which reshards a group
-owned by an FSDP module above it (this last part is the backport's own; see
-upstream/lightning_patch/ for the upstream fix of its caller). Nothing else runs: no
-other hook, no ``state_dict()``. An optimizer holding a parameter that this
-reshard unregistered was built while its group was unsharded: the call raises
-a ``ValueError``. ``_init_optim_state`` is wrapped so that a never-stepped
-optimizer holding a parameter whose storage FSDP2 has freed gets a
-``ValueError``, not a crash; ``_get_optim_state_dict`` and
-``_load_optim_state_dict`` so that where torch raises a bare ``KeyError`` for an
-optimizer parameter the model does not own, ``OptimizerParamNotInModelError``
-(a ``ValueError`` and a ``KeyError``) names it and, from its type, the FSDP2
-state the optimizer missed; for a plain module passed to ``get_state_dict`` or
-``set_state_dict`` with such a DTensor, before the model part.
+``apply()`` wraps ``torch.distributed.checkpoint.state_dict._verify_options``, which
+all six public state-dict functions call first, to call ``FSDPModule.reshard()`` on
+every FSDP2 module in the module passed in (no collective; a no-op on sharded
+groups), as ``torch_patch/`` proposes upstream. What else changes (in full:
+docs/design.md):
 
-The reshard is rank-local: the next forward all-gathers a resharded group, so
-with the backport applied call the state-dict functions on every rank of each
-FSDP mesh, or on none. A forward or backward that raised leaves its groups
-marked as running, and ``reshard()`` skips them: call
-``FSDPModule.reset_iter_state()`` on the root module first.
+- An optimizer holding a parameter this reshard unregistered, built while its group
+  was unsharded, raises a ``ValueError``; so does (``_init_optim_state`` wrapped) a
+  never-stepped one holding a parameter whose storage FSDP2 freed, not crashing.
+- An optimizer parameter the model does not own raises
+  ``OptimizerParamNotInModelError`` (a ``ValueError`` and a ``KeyError``) where torch
+  raises a bare ``KeyError``, naming it and, where FSDP2 left a sign, the state the
+  optimizer missed (``_get_optim_state_dict`` and ``_load_optim_state_dict`` wrapped).
+- The reshard is rank-local and the next forward all-gathers: call the state-dict
+  functions on every rank of each FSDP mesh, or on none. After an exception in
+  forward or backward, call ``FSDPModule.reset_iter_state()`` on the root first.
+- The backport's own, not in ``torch_patch/``: for a plain module passed in, FSDP2's
+  state-dict pre-hook on the modules below it reshards a group that an FSDP module
+  above it owns (no other hook and no ``state_dict()`` runs;
+  upstream/lightning_patch/ fixes that caller), and ``get_state_dict`` and
+  ``set_state_dict`` raise the error above before their model part.
 
-Tested on torch 2.7 to 2.15 (``_SUPPORTED``). On a newer torch whose wrapped
-functions keep their shape ``apply()`` patches and warns ``UntestedTorchWarning``
-once; it raises ``UnsupportedTorchError`` only where it cannot patch safely. The
-same change is proposed upstream (``torch_patch/`` in this project). Vendor
-as-is: this file needs only the standard library and torch, and importing it
-changes nothing.
+Tested on torch 2.7 to 2.15 (``_SUPPORTED``). A newer torch whose wrapped functions
+keep their shape is patched with an ``UntestedTorchWarning``; ``apply()`` raises
+``UnsupportedTorchError`` only where it cannot patch safely. Vendor as-is: this file
+needs only the standard library and torch, and importing it changes nothing.
 
     import backport
     backport.apply()     # idempotent, thread-safe
@@ -317,7 +309,7 @@ _FSDP2_TO_SHARDED_HOOK = (
 
 
 def _optim_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Return the parameters of ``optim``, in the order its state_dict() numbers them."""
+    """Return ``optim``'s parameters in the order its ``state_dict()`` numbers them."""
     return [param for group in optim.param_groups for param in group[_PARAMS]]
 
 
@@ -329,17 +321,14 @@ def _has_fsdp2_module(model: nn.Module) -> bool:
 
 
 def _reshard_fsdp2_groups_of_plain_module(model: nn.Module) -> None:
-    """Reshard the FSDP2 groups above a plain ``model`` that own its parameters.
-
-    Lightning Fabric's full-checkpoint load passes leaf modules that sit in
-    the root's group; no FSDPModule is found below them. FSDP2's own
-    state_dict pre-hook on each module reshards the group owning its
-    parameters, without a collective. No other hook runs.
-    """
+    """Reshard the FSDP2 groups above a plain ``model`` that own its parameters."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
         return
+    # E.g. Lightning Fabric's full load passes leaves of the root's group. FSDP2's
+    # pre-hook on a module reshards the group owning its parameters, with no
+    # collective; no other hook runs.
     for module in model.modules():
         for hook in module._state_dict_pre_hooks.values():
             if getattr(hook, "__qualname__", None) == _FSDP2_TO_SHARDED_HOOK:
@@ -354,17 +343,13 @@ def _unowned_param_error_with_cause(
     info: _StateDictInfo,
     has_fsdp2_module: bool,
 ) -> OptimizerParamNotInModelError:
-    """0002's error, and the backport's own cause when it found nothing to reshard.
-
-    A DTensor the model does not show, with no FSDP module in the module passed
-    in, belongs to a group that an FSDP module outside it owns. The backport
-    reshards such a group through FSDP2's state-dict hook on the module holding
-    the parameter, and FSDP2 registers that hook on the first module holding a
-    shared parameter only: the secondary module of tied weights has none.
-    """
+    """Return 0002's error, with the cause for a DTensor that no FSDP module reaches."""
     from torch.distributed.tensor import DTensor
 
     error = _unowned_optim_param_error(optim, key, info)
+    # A DTensor that a model without FSDP modules does not show is in a group that
+    # an FSDP module outside it owns, and that FSDP2's hook did not reshard: FSDP2
+    # hooks only the first module holding a shared parameter (tied weights).
     if has_fsdp2_module or not isinstance(key, DTensor):
         return error
     return OptimizerParamNotInModelError(
@@ -381,14 +366,7 @@ def _raise_unowned_before_model_part(
     optims: tuple[torch.optim.Optimizer, ...],
     info: _StateDictInfo,
 ) -> None:
-    """Raise the unowned-parameter error before the model part of a call.
-
-    ``get_state_dict`` and ``set_state_dict`` handle the model first: for the
-    secondary module of tied weights, whose group an FSDP module outside it
-    keeps unsharded, ``set_state_dict`` would otherwise fail loading the model
-    with torch's Tensor/DTensor mismatch, which does not name the cause. Torch
-    raises a ``KeyError`` for this input in the optimizer part either way.
-    """
+    """Raise the error for an unowned DTensor before the model part of a call."""
     from torch.distributed.tensor import DTensor
 
     if info.fsdp_modules:
@@ -406,6 +384,8 @@ def _raise_unowned_before_model_part(
 
 
 def _wrap_verify_options(verify_options: Callable) -> Callable:
+    """Return ``_verify_options`` resharding FSDP2 modules first, as 0001 does."""
+
     @functools.wraps(verify_options)
     def _verify_options(
         model: nn.Module,
@@ -415,13 +395,15 @@ def _wrap_verify_options(verify_options: Callable) -> Callable:
         submodules: set[nn.Module] | None = None,
         options: StateDictOptions | None = None,
     ) -> _StateDictInfo:
-        # 0001 reshards after this check, which the original raises for.
+        # 0001 reshards after the original's check that optim_only has optims.
         if optims or not optim_only:
             _reshard_fsdp2_modules(model, optims)
             _reshard_fsdp2_groups_of_plain_module(model)
         info = verify_options(
             model, optims, optim_only, submodules=submodules, options=options
         )
+        # get_state_dict and set_state_dict handle the model first: for the tied
+        # secondary module, torch's Tensor/DTensor mismatch there names no cause.
         if optims and not optim_only:
             _raise_unowned_before_model_part(model, optims, info)
         return info
@@ -430,6 +412,7 @@ def _wrap_verify_options(verify_options: Callable) -> Callable:
 
 
 def _wrap_get_optim_state_dict(get_optim_state_dict: Callable) -> Callable:
+    """Return ``_get_optim_state_dict`` raising 0002's error for an unowned param."""
     # 0002 raises where this function's state-key -> FQN lookups raise
     # KeyError(key): for a key that is not an index of the optimizer's
     # parameters, or one whose parameter the model does not own.
@@ -463,6 +446,7 @@ def _wrap_get_optim_state_dict(get_optim_state_dict: Callable) -> Callable:
 
 
 def _wrap_load_optim_state_dict(load_optim_state_dict: Callable) -> Callable:
+    """Return ``_load_optim_state_dict`` raising 0002's error for an unowned param."""
     # 0002 raises where _split_optim_state_dict and _unflatten_optim_state_dict,
     # called from here, look a param up in info.fqn_param_mapping: KeyError(param).
     @functools.wraps(load_optim_state_dict)
@@ -486,6 +470,7 @@ def _wrap_load_optim_state_dict(load_optim_state_dict: Callable) -> Callable:
 
 
 def _wrap_init_optim_state(init_optim_state: Callable) -> Callable:
+    """Return ``_init_optim_state`` checking the params' storage first, as 0001 does."""
     # 0001 checks right before the zero-grad step(), after the early returns.
     @functools.wraps(init_optim_state)
     def _init_optim_state(optim):
@@ -506,6 +491,7 @@ _WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
 
 
 def _make_wrapper(name: str, original: Callable) -> Callable:
+    """Return the backport's wrapper for ``original``, the function ``name``."""
     wrapper = _WRAPPERS[name](original)
     # The marker names the wrapper it is set on: functools.wraps copies
     # __dict__, so a wrapper that something else puts over this one carries
@@ -534,12 +520,14 @@ def _backport_wrapper_in(obj: object) -> Callable | None:
 
 
 def _torch_release(version: str) -> tuple[int, int] | None:
+    """Return the (major, minor) release of torch ``version``, or None."""
     # "2.13.0a0+git1234" is a 2.13 source build: compare major.minor only.
     match = re.match(r"(\d+)\.(\d+)", str(version))
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def _supported_range() -> str:
+    """Return the tested releases as text, e.g. "2.7 to 2.15"."""
     (lo_major, lo_minor), (hi_major, hi_minor) = _SUPPORTED
     return f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
 
@@ -551,6 +539,7 @@ def _is_untested(version: str) -> bool:
 
 
 def _remedy(first: str) -> str:
+    """Return the remedy of an ``UnsupportedTorchError``, ``first`` first."""
     return (
         f"{first}, or apply torch_patch/ to your torch, or remove backport.apply() "
         "if your torch fixes the bug (python -m backport tells)"
@@ -558,10 +547,7 @@ def _remedy(first: str) -> str:
 
 
 def _why_no_patch_needed(version: str, module: ModuleType) -> str | None:
-    """Return why ``module`` of torch ``version`` needs no patch, or None.
-
-    Raises UnsupportedTorchError when it can be neither patched nor skipped.
-    """
+    """Return why ``module`` needs no patch, or None; raise if it cannot be patched."""
     target = getattr(module, _TARGET_NAME, None)
     # The fix artifact first, whatever the version says.
     if _applied_version(target) is None and _FIX_ARTIFACT in getattr(
@@ -606,6 +592,7 @@ def _why_no_patch_needed(version: str, module: ModuleType) -> str | None:
 
 
 def _torch_and_state_dict_module() -> tuple[ModuleType, ModuleType]:
+    """Import and return torch and the module whose functions the backport wraps."""
     import torch
     import torch.distributed.checkpoint.state_dict as state_dict_module
 
