@@ -646,7 +646,8 @@ def revert() -> str:
 
     Leaves an attribute alone, with a BackportWarning, when something else has
     wrapped this backport's wrapper there since: ``status()`` then says
-    ``partly applied`` and to remove the wrapper over that function first.
+    ``partly applied`` and to remove the wrapper over that function first, or
+    still ``applied`` when something else wraps all four.
     """
     _, module = _torch_and_state_dict_module()
     with _lock:

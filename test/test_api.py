@@ -210,6 +210,30 @@ _verify_options""")
                         backport.revert()
                     self.assertFalse(backport.is_applied())
 
+    def test_revert_under_foreign_wrappers_over_all_four(self) -> None:
+        """With every wrapper covered, revert() only warns and status() still says applied."""
+        backport.apply()
+        ours = {name: getattr(dsd, name) for name in backport._WRAPPERS}
+        try:
+            for name, wrapper in ours.items():
+                setattr(dsd, name, _wraps(wrapper))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                line = backport.revert()
+            self.assertEqual(
+                [w.category for w in caught], [backport.BackportWarning] * len(ours)
+            )
+            self.assertTrue(backport.is_applied())
+            self.assertExpectedInline(
+                _render(line),
+                """applied: torch <torch>, 4 functions of torch.distributed.checkpoint.state_dict wrapped (backport <version>)""",
+            )
+        finally:
+            for name, wrapper in ours.items():
+                setattr(dsd, name, wrapper)
+            backport.revert()
+        self.assertFalse(backport.is_applied())
+
     def test_query_functions_follow_all_four_wrappers(self) -> None:
         """is_applied(), get_original() and status() see a function restored behind revert()'s back."""
         for name, original in self.originals.items():
