@@ -134,12 +134,6 @@ def _reshard_fsdp2_modules(
 ) -> None:
     """
     Reshard every FSDP2 module in ``model`` and check ``optims`` against it.
-
-    A forward without backward or ``unshard()`` leaves modules with
-    ``reshard_after_forward=False`` or an ``int`` holding other parameters
-    than the sharded DTensors that optimizers hold. ``reshard()`` issues no
-    collective and acts on this rank only: the next forward all-gathers a
-    resharded group, so every rank of the group's mesh must reshard it, or none.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -147,6 +141,9 @@ def _reshard_fsdp2_modules(
     if not fsdp_modules:
         return
     params_before = set(model.parameters()) if optims else set()
+    # A forward without backward leaves modules with reshard_after_forward=False
+    # or an int unsharded. reshard() issues no collective: the next forward
+    # all-gathers a resharded group, so every rank of its mesh reshards it or none.
     for module in fsdp_modules:
         module.reshard()
     if not optims:
@@ -175,16 +172,6 @@ def _reshard_fsdp2_modules(
 def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
     """
     Raise if ``optim`` holds a parameter whose storage has been freed.
-
-    An optimizer built while FSDP2 modules were unsharded holds their unsharded
-    parameters; ``_reshard_fsdp2_modules`` catches it while they are registered,
-    this check once something resharded the model before the call, which by
-    default frees their storage; ``step()`` on one writes to freed memory. A
-    traceable wrapper subclass (a DTensor under tensor parallelism, a quantized
-    or float8 training tensor) is checked through the inner tensors its
-    ``__tensor_flatten__`` names. Best effort: tensors without storage (sparse,
-    mkldnn) are skipped, and a wrapper subclass without ``__tensor_flatten__``
-    is checked by its placeholder storage, which is never empty.
     """
     import torch
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -196,12 +183,17 @@ def _verify_optim_params_allocated(optim: torch.optim.Optimizer) -> None:
             tensors = [param]
             while tensors:
                 tensor = tensors.pop()
+                # A traceable wrapper subclass (a DTensor under TP, a quantized or
+                # float8 training tensor) keeps its data in the tensors it names.
                 if is_traceable_wrapper_subclass(tensor):
                     inner_names, _ = tensor.__tensor_flatten__()
                     # DTensor also names its (non-tensor) device_mesh.
                     inner = (getattr(tensor, name) for name in inner_names)
                     tensors.extend(t for t in inner if isinstance(t, torch.Tensor))
                     continue
+                # An optimizer built while FSDP2 modules were unsharded holds
+                # parameters that a later reshard() freed; step() on one writes
+                # to freed memory. Tensors without storage (sparse, mkldnn) pass.
                 if (
                     torch._C._has_storage(tensor)
                     and tensor.numel() > 0
@@ -224,15 +216,13 @@ def _unowned_optim_param_error(
 ) -> OptimizerParamNotInModelError:
     """
     Return the error for an optimizer parameter that the model does not own.
-
-    ``key`` is the parameter, or the key of ``optim.state_dict()`` that maps to
-    no parameter of the model.
     """
     import torch
     from torch import nn
     from torch.distributed.tensor import DTensor
 
     params = list(chain.from_iterable(g[_PARAMS] for g in optim.param_groups))
+    # ``key`` is the parameter, or the optim.state_dict() key that maps to none.
     if isinstance(key, torch.Tensor):
         param = key
     elif isinstance(key, int) and 0 <= key < len(params):

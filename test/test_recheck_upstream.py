@@ -48,9 +48,9 @@ PR A+B: applies, tests not run
         self.assertEqual(conflicts.returncode, 1, conflicts.stdout + conflicts.stderr)
         self.assertExpectedInline(conflicts.stdout, """\
 torch <torch>, Python <python>
-PR A (0001): CONFLICTS: 0001-DSD-Reshard-FSDP2-modules-before-mapping-optimizer-p.patch: error: patch failed: torch/distributed/checkpoint/state_dict.py:297; hunk @@ -297,4 +382,5 @@ def _verify_options(
+PR A (0001): CONFLICTS: 0001-DSD-Reshard-FSDP2-modules-before-mapping-optimizer-p.patch: error: patch failed: torch/distributed/checkpoint/state_dict.py:297; hunk @@ -297,4 +374,5 @@ def _verify_options(
 PR B (0002): applies, tests not run
-PR A+B: CONFLICTS: 0001-DSD-Reshard-FSDP2-modules-before-mapping-optimizer-p.patch: error: patch failed: torch/distributed/checkpoint/state_dict.py:297; hunk @@ -297,4 +382,5 @@ def _verify_options(
+PR A+B: CONFLICTS: 0001-DSD-Reshard-FSDP2-modules-before-mapping-optimizer-p.patch: error: patch failed: torch/distributed/checkpoint/state_dict.py:297; hunk @@ -297,4 +374,5 @@ def _verify_options(
 """)
 
 
