@@ -331,16 +331,21 @@ def _unowned_param_error_with_cause(
     optim: torch.optim.Optimizer,
     key: torch.Tensor | int | str,
     info: _StateDictInfo,
-    has_fsdp2_module: bool,
+    has_fsdp2_module: bool | None = None,
 ) -> OptimizerParamNotInModelError:
     """Return 0002's error, with the cause for a DTensor that no FSDP module reaches."""
     from torch.distributed.tensor import DTensor
 
     error = _unowned_optim_param_error(optim, key, info)
+    if not isinstance(key, DTensor):
+        return error
+    # None: the caller has not scanned ``model``.
+    if has_fsdp2_module is None:
+        has_fsdp2_module = _has_fsdp2_module(model)
     # A DTensor that a model without FSDP modules does not show is in a group that
     # an FSDP module outside it owns, and that FSDP2's hook did not reshard: FSDP2
     # hooks only the first module holding a shared parameter (tied weights).
-    if has_fsdp2_module or not isinstance(key, DTensor):
+    if has_fsdp2_module:
         return error
     return OptimizerParamNotInModelError(
         f"{error} The module passed in ({type(model).__name__}) contains no FSDP "
@@ -427,9 +432,7 @@ def _wrap_get_optim_state_dict(get_optim_state_dict: Callable) -> Callable:
                     )
                     unowned = key if in_osd else None
                 if unowned is not None:
-                    raise _unowned_param_error_with_cause(
-                        model, optim, unowned, info, _has_fsdp2_module(model)
-                    ) from err
+                    raise _unowned_param_error_with_cause(model, optim, unowned, info) from err
             raise
 
     return _get_optim_state_dict
@@ -451,9 +454,7 @@ def _wrap_load_optim_state_dict(load_optim_state_dict: Callable) -> Callable:
                     None,
                 )
                 if unowned is not None and missing is unowned:
-                    raise _unowned_param_error_with_cause(
-                        model, optim, unowned, info, _has_fsdp2_module(model)
-                    ) from err
+                    raise _unowned_param_error_with_cause(model, optim, unowned, info) from err
             raise
 
     return _load_optim_state_dict
