@@ -14,8 +14,8 @@ sets its distributed state to FSDP2 by hand so the same script runs on CPU:
 
 ``--without-backport`` skips ``backport.apply()`` to show the bug: the first
 checkpoint raises ``KeyError`` and the script exits with status 1. Checkpoints
-go to a new temporary folder, removed at the end, unless ``--output-dir`` names
-one (kept).
+go to a new temporary folder, removed at the end (after a failure too), unless
+``--output-dir`` names one (kept).
 
 The model is a tiny Llama built from a config (no download). Every
 ``--eval-every`` steps it evaluates under ``torch.no_grad()`` and then saves the
@@ -130,6 +130,26 @@ def shared_temp_dir() -> str:
     return name[0]
 
 
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def remove_shared_temp_dir(path: str) -> None:
+    """Rank 0 removes shared_temp_dir()'s folder; every rank calls this, on failure too.
+
+    The first barrier waits until no rank writes to the folder: without the
+    backport every rank fails at the same checkpoint, but a slower one may still
+    be making its folder in it. The second keeps every rank from exiting before
+    the removal: the launcher stops them all once one exits with an error. (A
+    failure on one rank only would wait here until the process group's timeout.)
+    """
+    barrier()
+    if rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    barrier()
+
+
 def run(args, accelerator, plugin, model, optim, output_dir: str) -> None:
     losses, last_ckpt = {}, None
     for step in range(args.steps):
@@ -177,11 +197,9 @@ def main() -> None:
     output_dir = args.output_dir or shared_temp_dir()
     try:
         run(args, accelerator, plugin, model, optim, output_dir)
-        if args.output_dir is None and torch.distributed.is_initialized():
-            torch.distributed.barrier()  # every rank is done with the files
     finally:
-        if args.output_dir is None and rank() == 0:
-            shutil.rmtree(output_dir, ignore_errors=True)
+        if args.output_dir is None:
+            remove_shared_temp_dir(output_dir)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ continues exactly as it did after that checkpoint was taken.
 
 ``--without-backport`` skips ``backport.apply()`` to show the bug: the first
 ``fabric.save`` raises ``KeyError`` and the script exits with status 1.
-Checkpoints go to a new temporary folder, removed at the end, unless
-``--output-dir`` names one (kept).
+Checkpoints go to a new temporary folder, removed at the end (after a failure
+too), unless ``--output-dir`` names one (kept).
 """
 
 import argparse
@@ -172,11 +172,16 @@ def main() -> None:
     os.makedirs(output_dir, exist_ok=True)  # a full checkpoint is a file in it
     try:
         run(args, fabric, output_dir)
-        if args.output_dir is None:
-            fabric.barrier()  # every rank is done with the files
     finally:
-        if args.output_dir is None and fabric.global_rank == 0:
-            shutil.rmtree(output_dir, ignore_errors=True)
+        if args.output_dir is None:
+            # Every rank gets here, on failure too. Rank 0 removes the folder once
+            # no rank writes to it (the first barrier) and before any rank exits
+            # (the second): the launcher stops them all once one exits with an
+            # error. (A failure on one rank only would wait here until the timeout.)
+            fabric.barrier()
+            if fabric.global_rank == 0:
+                shutil.rmtree(output_dir, ignore_errors=True)
+            fabric.barrier()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import itertools
 import re
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -239,6 +240,17 @@ def build(case: Case, seed: int = 0):
     return model, optims, StateDictOptions(**dict(case.options))
 
 
+def shard_blocks_then_root(model: TinyLM, mesh) -> TinyLM:
+    """``fully_shard`` each block, then the root, as the frameworks' FSDP2 set-ups do.
+
+    The root keeps the default reshard_after_forward: unsharded after a forward.
+    """
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def tp_mesh_shape(case: Case, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The device mesh of a TP case: its shape and dimension names."""
     dp = world_size // case.tp
@@ -370,6 +382,12 @@ def differences(actual: Any, expected: Any) -> list[str]:
         elif a != e:
             diffs.append(path)
     return diffs
+
+
+def restored(actual: Any, expected: Any) -> str:
+    """"restored exactly", or the first paths where a loaded state differs from the saved one."""
+    diffs = differences(actual, expected)
+    return "restored exactly" if not diffs else f"differs at {diffs[:3]}"
 
 
 def perturb(model, optims, params: bool = True, optim_state: bool = True) -> None:
@@ -544,6 +562,17 @@ def outcome_of(call: Callable[[], Any]) -> str:
     except Exception as err:  # noqa: BLE001 - the outcome is what we render
         return describe_error(err, first_line=True)
     return "ok"
+
+
+def restored_by(
+    load: Callable[[], Any], state: Callable[[], Any], saved: Any, what: str = ""
+) -> str:
+    """``load()`` (a load, a resume): the first line of what it raised, or how well
+    ``state()`` then matches ``saved``, after ``what`` ("optimizer state restored exactly")."""
+    outcome = outcome_of(load)
+    if outcome != "ok":
+        return outcome
+    return " ".join(filter(None, [what, restored(state(), saved)]))
 
 
 def call_after_evaluation(
@@ -738,6 +767,19 @@ def run_agreed(world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
     for rank, result in enumerate(results):
         assert result == results[0], f"rank {rank} disagrees with rank 0"
     return results[0]
+
+
+def run_agreed_in_temp_dir(world_size: int, fn: Callable[[str], Any]) -> Any:
+    """``run_agreed(world_size, fn, folder)`` with a new temporary folder for its files."""
+    with tempfile.TemporaryDirectory() as folder:
+        return run_agreed(world_size, fn, folder)
+
+
+def run_agreed_before_after(worker: Callable[[str], dict[str, str]]) -> str:
+    """``worker(folder)`` on 2 ranks, with a new temporary folder, rendered by
+    render_before_after: a worker of steps ``step -> outcome`` per line, run
+    ``unpatched_then_patched``, checkpointing in ``folder``."""
+    return render_before_after(run_agreed_in_temp_dir(2, worker), " -> ")
 
 
 def unpatched_then_patched(run: Callable[[str], Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from _fsdp_cases import (
     differences,
     outcome_of,
     perturb,
+    restored,
     side_by_side,
     unpatched_then_patched,
 )
@@ -89,8 +90,7 @@ def _evaluate(model, ids) -> None:
 def _restored(model, optim, ref) -> str:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    diffs = differences(get_optimizer_state_dict(model, optim), ref)
-    return "restored exactly" if not diffs else f"differs at {diffs[:3]}"
+    return restored(get_optimizer_state_dict(model, optim), ref)
 
 
 def _fsdp_optimizer_files(variant: str, tmp: str) -> list[str]:

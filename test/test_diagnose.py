@@ -13,10 +13,38 @@ import pytest
 import torch
 
 import backport
+from backport import _diagnose
 from fake_torch_version import faked_env
 
 
 pytestmark = [pytest.mark.ranks, pytest.mark.torch27]
+
+
+# The report's verdict and advice for a torch that has the bug and that apply()
+# fixes: the installed torch's and a newer one's alike. The tests pin the rest.
+AFFECTED_AND_FIXED = """\
+Affected: yes. After the evaluation forward, DSD could not map the optimizer's
+parameters to the model's: the model still holds FSDP2's unsharded parameters,
+the optimizer the sharded ones. Each KeyError is the optimizer parameter DSD
+looked for, by its index (KeyError: <n>) or itself (KeyError: DTensor(...)).
+
+Fixed by backport.apply(): yes (right column). This check applied it in its
+own 2 processes only: your torch is not patched.
+
+Next step: on every rank, before the first checkpoint (e.g. at the top of the
+training script), add
+
+    import backport; backport.apply()
+
+or vendor the backport: copy this one file into your code base under any name
+and call its apply() the same way:
+    <backport/__init__.py>
+"""
+
+
+def _with_affected_and_fixed(report: str) -> str:
+    """``report`` with AFFECTED_AND_FIXED in it shown by name, where it is."""
+    return report.replace(AFFECTED_AND_FIXED, "<AFFECTED_AND_FIXED>\n")
 
 
 def _render(text: str) -> str:
@@ -49,29 +77,14 @@ class DiagnoseTest(expecttest.TestCase):
         """The installed torch is affected and apply() fixes it: the report says what to do."""
         proc = _python_m_backport("-m", "backport")
         self.assertEqual(proc.returncode, 0, proc.stderr)
-        self.assertExpectedInline(_render(proc.stdout), """\
+        self.assertExpectedInline(_with_affected_and_fixed(_render(proc.stdout)), """\
 torch <torch> (<torch_dir>)
 step                                      | torch as installed                     | with backport.apply()
 ------------------------------------------|----------------------------------------|-----------------------
 optimizer state saved after no_grad eval  | KeyError: 4                            | ok
 optimizer state loaded after no_grad eval | KeyError: DTensor(...)                 | ok
 
-Affected: yes. After the evaluation forward, DSD could not map the optimizer's
-parameters to the model's: the model still holds FSDP2's unsharded parameters,
-the optimizer the sharded ones. Each KeyError is the optimizer parameter DSD
-looked for, by its index (KeyError: <n>) or itself (KeyError: DTensor(...)).
-
-Fixed by backport.apply(): yes (right column). This check applied it in its
-own 2 processes only: your torch is not patched.
-
-Next step: on every rank, before the first checkpoint (e.g. at the top of the
-training script), add
-
-    import backport; backport.apply()
-
-or vendor the backport: copy this one file into your code base under any name
-and call its apply() the same way:
-    <backport/__init__.py>
+<AFFECTED_AND_FIXED>
 """)
         # One line per stage while it runs; gloo's own log (torch 2.10) is not one.
         progress = [line for line in proc.stderr.splitlines() if line.startswith("backport:")]
@@ -91,7 +104,7 @@ backport: checking again with backport.apply() in these processes...""")
         """An untested torch (faked 2.16.0) with the bug: apply() fixes it, exit status 0."""
         status, text = self._faked("2.16.0")
         self.assertEqual(status, 0, text)
-        self.assertExpectedInline(text, """\
+        self.assertExpectedInline(_with_affected_and_fixed(text), """\
 torch <fake> (<torch_dir>)
 step                                      | torch as installed                     | with backport.apply()
 ------------------------------------------|----------------------------------------|-----------------------
@@ -101,22 +114,7 @@ optimizer state loaded after no_grad eval | KeyError: DTensor(...)              
 Untested: torch <fake> is newer than the releases this backport was tested
 on (2.7 to 2.15); the table above is what it does here.
 
-Affected: yes. After the evaluation forward, DSD could not map the optimizer's
-parameters to the model's: the model still holds FSDP2's unsharded parameters,
-the optimizer the sharded ones. Each KeyError is the optimizer parameter DSD
-looked for, by its index (KeyError: <n>) or itself (KeyError: DTensor(...)).
-
-Fixed by backport.apply(): yes (right column). This check applied it in its
-own 2 processes only: your torch is not patched.
-
-Next step: on every rank, before the first checkpoint (e.g. at the top of the
-training script), add
-
-    import backport; backport.apply()
-
-or vendor the backport: copy this one file into your code base under any name
-and call its apply() the same way:
-    <backport/__init__.py>
+<AFFECTED_AND_FIXED>
 
 On torch <fake> apply() warns UntestedTorchWarning once when it patches.
 """)
@@ -197,34 +195,22 @@ or apply torch_patch/ (from the backport's project) to your torch.
             self.assertFalse("torch" in _imported(proc.stderr), f"{flag} imported torch")
             # No torch, so no ranks; importing torch alone takes over 1 s here.
             self.assertLess(elapsed, 5.0)
-        self.assertExpectedInline(proc.stdout, """\
+        # The description and the exit statuses are backport/_diagnose.py's docstring.
+        description, _, exit_status = _diagnose.__doc__.partition("\nExit status:\n")
+        self.assertExpectedInline(
+            proc.stdout.replace(description, "<docstring>").replace(
+                exit_status, "<docstring's exit statuses>"
+            ),
+            """\
 usage: python -m backport [-h]
 
-Check whether the installed torch has the FSDP2 evaluation checkpoint bug, and
-whether backport.apply() fixes it.
-
-Runs a small FSDP2 job in 2 CPU processes (gloo; no GPU needed; under a
-minute): one training step, an evaluation forward under torch.no_grad(), then
-get_optimizer_state_dict and set_optimizer_state_dict. Once on torch as
-installed, once after backport.apply() in those 2 processes only: nothing is
-written to disk, and your torch stays unpatched until your code calls
-backport.apply().
-
-On a torch newer than the releases the backport was tested on (2.7 to 2.15) it
-says so; apply() patches such a torch where the functions it wraps keep their
-shape, and this check shows whether it still needs the backport. Install a
-tested torch with: pip install "torch>=2.7,<2.16" (for a CPU-only or a specific
-CUDA/ROCm build, add the index URL that pytorch.org gives).
-
+<docstring>
 options:
   -h, --help  show this help message and exit
 
 exit status:
-  0  not affected, or affected and fixed by backport.apply()
-  1  affected and not fixed: backport.apply() does not fix it or refuses this
-     torch; or the check could not run; or this Python has no torch
-  2  usage error
-""")
+<docstring's exit statuses>""",
+        )
 
     def test_a_check_that_cannot_run(self) -> None:
         """A rank that fails (here gloo, on a network interface that does not exist): exit status 1."""

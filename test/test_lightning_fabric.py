@@ -7,7 +7,6 @@ environment, so ``fabric.launch()`` joins that process group instead of spawning
 
 from __future__ import annotations
 
-import tempfile
 import unittest
 from importlib.util import find_spec
 from pathlib import Path
@@ -16,20 +15,19 @@ import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
 
 from _fsdp_cases import (
     TinyLM,
     batch,
     clone,
-    differences,
     evaluate,
     get_model_state_dict,
     get_optimizer_state_dict,
     outcome_of,
     perturb,
-    render_before_after,
-    run_agreed,
+    restored_by,
+    run_agreed_before_after,
+    shard_blocks_then_root,
     unpatched_then_patched,
 )
 
@@ -38,12 +36,7 @@ pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
 
 
 def _parallelize(model, device_mesh):
-    mesh = device_mesh["data_parallel"]
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    # The root keeps the default reshard_after_forward: unsharded after a forward.
-    fully_shard(model, mesh=mesh)
-    return model
+    return shard_blocks_then_root(model, device_mesh["data_parallel"])
 
 
 def _setup(save_distributed_checkpoint: bool, parallelize_fn=_parallelize):
@@ -101,11 +94,11 @@ def perturb_then_load(fabric, path: Path, model, optimizer, saved: dict, evaluat
     perturb(model.module, [optimizer.optimizer])
     if evaluated:
         evaluate(model)
-    outcome = outcome_of(lambda: fabric.load(path, {"model": model, "optimizer": optimizer}))
-    if outcome != "ok":
-        return outcome
-    diffs = differences(_states(model, optimizer), saved)
-    return "restored exactly" if not diffs else f"differs at {diffs[:3]}"
+    return restored_by(
+        lambda: fabric.load(path, {"model": model, "optimizer": optimizer}),
+        lambda: _states(model, optimizer),
+        saved,
+    )
 
 
 def fabric_worker(checkpoint_dir: str) -> dict[str, str]:
@@ -125,9 +118,7 @@ def fabric_worker(checkpoint_dir: str) -> dict[str, str]:
 )
 class LightningFabricTest(expecttest.TestCase):
     def test_save_and_load_after_evaluation(self) -> None:
-        with tempfile.TemporaryDirectory() as checkpoint_dir:
-            result = run_agreed(2, fabric_worker, checkpoint_dir)
-        self.assertExpectedInline(render_before_after(result, " -> "), """\
+        self.assertExpectedInline(run_agreed_before_after(fabric_worker), """\
                                             | stock -> backport applied
 sharded {optimizer, model}: save after eval | KeyError: 0 -> ok
 sharded {model, optimizer}: save after eval | ok

@@ -7,7 +7,6 @@ joins that process group instead of spawning processes.
 
 from __future__ import annotations
 
-import tempfile
 import unittest
 from importlib.util import find_spec
 from pathlib import Path
@@ -17,18 +16,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
-from torch.distributed.fsdp import fully_shard
 
 from _fsdp_cases import (
     TinyLM,
     batch,
     clone,
-    describe_error,
-    differences,
     get_optimizer_state_dict,
     outcome_of,
-    render_before_after,
-    run_agreed,
+    restored_by,
+    run_agreed_before_after,
+    shard_blocks_then_root,
     unpatched_then_patched,
 )
 
@@ -50,11 +47,7 @@ def _lightning_classes():
             self.model = TinyLM()
 
         def configure_model(self) -> None:
-            mesh = self.device_mesh["data_parallel"]
-            for block in self.model.blocks:
-                fully_shard(block, mesh=mesh)
-            # The root keeps the default reshard_after_forward: unsharded after a forward.
-            fully_shard(self.model, mesh=mesh)
+            shard_blocks_then_root(self.model, self.device_mesh["data_parallel"])
 
         def _loss(self, tokens, targets):
             return F.cross_entropy(self.model(tokens).flatten(0, 1), targets.flatten())
@@ -125,25 +118,20 @@ def trainer_worker(checkpoint_dir: str) -> dict[str, str]:
     def run(label: str) -> str:
         run_dir = Path(checkpoint_dir) / label
         probe = Probe()
-        lines = []
-        try:
-            _trainer(pl, run_dir, 2, [probe]).fit(LitTinyLM(), _loader(), _loader())
-        except Exception as err:  # noqa: BLE001 - the outcome is what we render
-            lines.append(f"fit with validation and ModelCheckpoint -> {describe_error(err)}")
-        else:
-            lines.append("fit with validation and ModelCheckpoint -> ok")
-        lines += sorted(set(probe.events))
+        fit = outcome_of(
+            lambda: _trainer(pl, run_dir, 2, [probe]).fit(LitTinyLM(), _loader(), _loader())
+        )
+        lines = [f"fit with validation and ModelCheckpoint -> {fit}", *sorted(set(probe.events))]
         resume = Probe()
-        try:
-            _trainer(pl, run_dir, 3, [resume]).fit(
+        outcome = restored_by(
+            lambda: _trainer(pl, run_dir, 3, [resume]).fit(
                 LitTinyLM(), _loader(), _loader(), ckpt_path=str(run_dir / "last.ckpt")
-            )
-        except Exception as err:  # noqa: BLE001 - the outcome is what we render
-            lines.append(f"resume from last.ckpt -> {describe_error(err)}")
-        else:
-            diffs = differences(resume.resumed_optim, probe.saved_optim)
-            restored = "exactly" if not diffs else f"differs at {diffs[:3]}"
-            lines.append(f"resume from last.ckpt -> optimizer state restored {restored}")
+            ),
+            lambda: resume.resumed_optim,
+            probe.saved_optim,
+            "optimizer state",
+        )
+        lines.append(f"resume from last.ckpt -> {outcome}")
         return "\n".join(lines)
 
     return unpatched_then_patched(run)
@@ -154,11 +142,9 @@ def trainer_worker(checkpoint_dir: str) -> dict[str, str]:
 )
 class LightningTrainerTest(expecttest.TestCase):
     def test_fit_validate_checkpoint_resume(self) -> None:
-        with tempfile.TemporaryDirectory() as checkpoint_dir:
-            result = run_agreed(2, trainer_worker, checkpoint_dir)
         # The Trainer saves the model state first, whose state_dict() hooks
         # reshard; a bare optimizer state dict at the same moment fails.
-        self.assertExpectedInline(render_before_after(result, " -> "), """\
+        self.assertExpectedInline(run_agreed_before_after(trainer_worker), """\
                                           | stock -> backport applied
 fit with validation and ModelCheckpoint   | ok
 get_optimizer_state_dict after validation | KeyError: 0 -> ok

@@ -12,7 +12,7 @@ HERE = Path(__file__).parent
 # prove.py (MultiProcessTestCase), python -m backport, the benchmark, the
 # examples and the fuzzer.
 STARTS_RANKS = re.compile(
-    r"run_ranks\(|run_agreed\(|torchrun|prove\.py|\"-m\", \"backport\"|"
+    r"run_ranks\(|run_agreed\w*\(|torchrun|prove\.py|\"-m\", \"backport\"|"
     r"\"benchmarks\"|\"examples\"|fuzz_differential\.check"
 )
 PYTESTMARK = re.compile(r"^pytestmark = (.*)$", re.MULTILINE)

@@ -18,7 +18,6 @@ version, elsewhere: the modules each imports exist in one line only.
 
 from __future__ import annotations
 
-import tempfile
 import unittest
 from importlib.metadata import version
 from importlib.util import find_spec
@@ -29,20 +28,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from _fsdp_cases import (
     TinyLM,
-    batch,
     clone,
-    differences,
     evaluate,
     outcome_of,
     perturb,
-    render_before_after,
-    run_agreed,
+    restored_by,
+    run_agreed_before_after,
+    run_agreed_in_temp_dir,
+    shard_blocks_then_root,
+    train_step,
     unpatched_then_patched,
 )
 
@@ -54,26 +52,30 @@ _TITAN = version("torchtitan") if find_spec("torchtitan") else None
 _TITAN_LINE = ".".join(_TITAN.split(".")[:2]) if _TITAN else None
 
 
+def _sharded_model() -> TinyLM:
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return shard_blocks_then_root(TinyLM(), mesh)
+
+
+def _load_after_validation(model, optimizers, load, saved) -> str:
+    """Perturb, validate (the root is unsharded again), ``load()``: how the optimizer came back."""
+    perturb(model, list(optimizers))
+    evaluate(model)
+    return restored_by(load, optimizers.state_dict, saved, "optimizer state")
+
+
 def _setup(folder: Path):
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.config import Checkpoint
 
-    torch.manual_seed(0)
-    model = TinyLM()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    # The root keeps the default reshard_after_forward: unsharded after a forward.
-    fully_shard(model, mesh=mesh)
+    model = _sharded_model()
     optimizers = OptimizersContainer([model], torch.optim.AdamW, {"lr": 1e-2})
     lr_schedulers = LRSchedulersContainer(optimizers, lambda step: 1.0)
-    tokens, targets = batch(0)
-    F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
-    optimizers.step()
+    train_step(model, [optimizers], 0)
     lr_schedulers.step()
-    optimizers.zero_grad()
     manager = CheckpointManager(
         dataloader=None,
         model_parts=[model],
@@ -102,14 +104,7 @@ def titan_worker(folder: str) -> dict[str, str]:
             # load below still has a checkpoint to read.
             model.state_dict()
             manager.save(curr_step=1)
-        perturb(model, list(optimizers))
-        evaluate(model)
-        outcome = outcome_of(lambda: manager.load(step=1))
-        if outcome == "ok":
-            diffs = differences(optimizers.state_dict(), saved)
-            outcome = "optimizer state restored " + (
-                "exactly" if not diffs else f"differs at {diffs[:3]}"
-            )
+        outcome = _load_after_validation(model, optimizers, lambda: manager.load(step=1), saved)
         lines.append(f"load after validation -> {outcome}")
         manager.close()
         return "\n".join(lines)
@@ -134,21 +129,12 @@ def _why_not_02() -> str | None:
 def _setup_03(folder: Path):
     from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
-    torch.manual_seed(0)
-    model = TinyLM()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    # The root keeps the default reshard_after_forward: unsharded after a forward.
-    fully_shard(model, mesh=mesh)
+    model = _sharded_model()
     config = OptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})]
     )
     optimizers = OptimizersContainer(config, model_parts=[model])
-    tokens, targets = batch(0)
-    F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
-    optimizers.step()
-    optimizers.zero_grad()
+    train_step(model, [optimizers], 0)
     return model, optimizers
 
 
@@ -162,14 +148,9 @@ def titan03_worker(folder: str) -> str:
     evaluate(model)
     saved_outcome = outcome_of(lambda: dcp.save(state, checkpoint_id=folder))
     lines = [f"dcp.save after validation -> {saved_outcome}"]
-    perturb(model, list(optimizers))
-    evaluate(model)
-    outcome = outcome_of(lambda: dcp.load(state, checkpoint_id=folder))
-    if outcome == "ok":
-        diffs = differences(optimizers.state_dict(), saved)
-        outcome = "optimizer state restored " + (
-            "exactly" if not diffs else f"differs at {diffs[:3]}"
-        )
+    outcome = _load_after_validation(
+        model, optimizers, lambda: dcp.load(state, checkpoint_id=folder), saved
+    )
     lines.append(f"dcp.load after validation -> {outcome}")
     # The control, last (it fails halfway): the model is in the state that breaks DSD.
     lines.append(
@@ -182,9 +163,7 @@ def titan03_worker(folder: str) -> str:
 @unittest.skipIf(_why_not_02(), _why_not_02() or "")
 class TorchtitanTest(expecttest.TestCase):
     def test_save_and_load_after_validation(self) -> None:
-        with tempfile.TemporaryDirectory() as folder:
-            result = run_agreed(2, titan_worker, folder)
-        self.assertExpectedInline(render_before_after(result, " -> "), """\
+        self.assertExpectedInline(run_agreed_before_after(titan_worker), """\
                       | stock -> backport applied
 save after validation | KeyError: 0 -> ok
 load after validation | KeyError: 0 -> optimizer state restored exactly""")
@@ -197,8 +176,7 @@ load after validation | KeyError: 0 -> optimizer state restored exactly""")
 class Torchtitan03Test(expecttest.TestCase):
     def test_unaffected_on_stock_torch(self) -> None:
         """0.3.x's container bypasses DSD: stock torch saves and loads after validation."""
-        with tempfile.TemporaryDirectory() as folder:
-            result = run_agreed(2, titan03_worker, folder)
+        result = run_agreed_in_temp_dir(2, titan03_worker)
         self.assertExpectedInline(result, """\
 dcp.save after validation -> ok
 dcp.load after validation -> optimizer state restored exactly

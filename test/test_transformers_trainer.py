@@ -8,7 +8,6 @@ the Trainer builds its Accelerator; the ranks come from ``_ranks.run_ranks`` (te
 
 from __future__ import annotations
 
-import tempfile
 import unittest
 from importlib.util import find_spec
 from pathlib import Path
@@ -18,12 +17,10 @@ import pytest
 
 from _fsdp_cases import (
     clone,
-    describe_error,
-    differences,
     get_optimizer_state_dict,
     outcome_of,
-    render_before_after,
-    run_agreed,
+    restored_by,
+    run_agreed_before_after,
     unpatched_then_patched,
 )
 
@@ -120,39 +117,37 @@ def _args(output_dir: Path, max_steps: int):
 
 def trainer_worker(output_dir: str) -> dict[str, str]:
     CPUFSDPTrainer, Probe, Dataset = _classes()
+
+    def trainer(run_dir: Path, max_steps: int, probe):
+        probe.trainer = CPUFSDPTrainer(
+            model=_model(), args=_args(run_dir, max_steps), train_dataset=Dataset(),
+            eval_dataset=Dataset(), callbacks=[probe],
+        )
+        return probe.trainer
+
     def run(label: str) -> str:
         run_dir = Path(output_dir) / label
         probe = Probe()
-        trainer = CPUFSDPTrainer(
-            model=_model(), args=_args(run_dir, 2), train_dataset=Dataset(),
-            eval_dataset=Dataset(), callbacks=[probe],
-        )
-        probe.trainer = trainer
-        assert trainer.accelerator.is_fsdp2, "accelerate did not take the FSDP2 path"
-        lines = [f"train with evaluation, then save -> {outcome_of(trainer.train)}"]
+        first = trainer(run_dir, 2, probe)
+        assert first.accelerator.is_fsdp2, "accelerate did not take the FSDP2 path"
+        lines = [f"train with evaluation, then save -> {outcome_of(first.train)}"]
         lines += sorted(probe.events)
         resumed = Probe()
-        trainer = CPUFSDPTrainer(
-            model=_model(), args=_args(run_dir, 3), train_dataset=Dataset(),
-            eval_dataset=Dataset(), callbacks=[resumed],
-        )
-        resumed.trainer = trainer
         restored = {}
 
         def _capture_after_load(*_args, **_kwargs):
             restored["optim"] = clone(resumed._optim_state())
 
         resumed.on_train_begin = _capture_after_load
-        try:
-            trainer.train(resume_from_checkpoint=str(run_dir / "checkpoint-2"))
-        except Exception as err:  # noqa: BLE001 - the outcome is what we render
-            lines.append(f"resume_from_checkpoint -> {describe_error(err, first_line=True)}")
-        else:
-            diffs = differences(restored["optim"], probe.saved_optim)
-            lines.append(
-                "resume_from_checkpoint -> optimizer state restored "
-                + ("exactly" if not diffs else f"differs at {diffs[:3]}")
-            )
+        outcome = restored_by(
+            lambda: trainer(run_dir, 3, resumed).train(
+                resume_from_checkpoint=str(run_dir / "checkpoint-2")
+            ),
+            lambda: restored["optim"],
+            probe.saved_optim,
+            "optimizer state",
+        )
+        lines.append(f"resume_from_checkpoint -> {outcome}")
         return "\n".join(lines)
 
     return unpatched_then_patched(run)
@@ -163,9 +158,7 @@ def trainer_worker(output_dir: str) -> dict[str, str]:
 )
 class TransformersTrainerTest(expecttest.TestCase):
     def test_evaluate_save_resume(self) -> None:
-        with tempfile.TemporaryDirectory() as output_dir:
-            result = run_agreed(2, trainer_worker, output_dir)
-        self.assertExpectedInline(render_before_after(result, " -> "), """\
+        self.assertExpectedInline(run_agreed_before_after(trainer_worker), """\
                                           | stock -> backport applied
 train with evaluation, then save          | ok
 get_optimizer_state_dict after evaluation | KeyError: 15 -> ok

@@ -87,8 +87,23 @@ def _installed_state_dict() -> tuple[str, Path]:
     return str(torch.__version__), Path(torch.__file__).parent.parent / TARGET
 
 
+class PatchConflict(SystemExit):
+    """``git apply --check`` refused a patch: this script exits with git's error.
+
+    recheck_upstream.py catches it to name the hunk instead.
+    """
+
+    def __init__(self, patch: Path, stderr: str) -> None:
+        super().__init__(f"git apply --check {patch.name} failed:\n{stderr}")
+        self.stderr = stderr
+
+
 def _apply(tree: Path, patch: Path) -> str:
-    """Apply ``patch`` inside ``tree``; return how it applied."""
+    """Apply ``patch`` inside ``tree``, with one context line less if need be.
+
+    Returns how it applied ("clean" or "with -C1"); raises PatchConflict if
+    it does not.
+    """
     for extra in ([], CONTEXT_FALLBACK):
         check = subprocess.run(
             ["git", "apply", "--check", *extra, str(patch)],
@@ -99,7 +114,7 @@ def _apply(tree: Path, patch: Path) -> str:
                 ["git", "apply", *extra, str(patch)], cwd=tree, check=True, capture_output=True
             )
             return "clean" if not extra else f"with {' '.join(extra)}"
-    raise SystemExit(f"git apply --check {patch.name} failed:\n{check.stderr}")
+    raise PatchConflict(patch, check.stderr)
 
 
 def _stages() -> list[list[Path]]:

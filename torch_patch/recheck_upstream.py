@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -49,32 +50,32 @@ PIECES = ["pr-a", "pr-b", "pr-ab", "lightning", "fsdp2", "c10d"]
 
 
 def _git_apply(tree: Path, patch: Path) -> tuple[bool, str]:
-    """Apply ``patch`` in ``tree`` (with one context line less if need be).
+    """Apply ``patch`` in ``tree`` as prove.py does (one context line less if need be).
 
     Returns whether it applied, and how, or git's error with the failed hunk.
     """
-    for extra in ([], prove.CONTEXT_FALLBACK):
-        check = subprocess.run(
-            ["git", "apply", "--check", *extra, str(patch)],
-            cwd=tree, capture_output=True, text=True, check=False,
-        )
-        if check.returncode == 0:
-            subprocess.run(["git", "apply", *extra, str(patch)], cwd=tree, check=True)
-            return True, f" (with {' '.join(extra)})" if extra else ""
-    first = check.stderr.strip().splitlines()[0] if check.stderr.strip() else "?"
-    hunk = ""
-    failed = re.search(r"patch failed: (\S+):(\d+)", check.stderr)
-    if failed:
-        # The hunk of that file whose old side starts at that line.
-        path, line = failed.groups()
-        in_file = False
-        for text in patch.read_text().splitlines():
-            if text.startswith("diff --git "):
-                in_file = text.endswith(f" b/{path}")
-            elif in_file and text.startswith(f"@@ -{line},"):
-                hunk = f"; hunk {text}"
-                break
-    return False, f"{patch.name}: {first}{hunk}"
+    try:
+        how = prove._apply(tree, patch)
+    except prove.PatchConflict as conflict:
+        return False, f"{patch.name}: {_conflict(patch, conflict.stderr)}"
+    return True, "" if how == "clean" else f" ({how})"
+
+
+def _conflict(patch: Path, stderr: str) -> str:
+    """git's first error line, and the hunk of ``patch`` that it names."""
+    first = stderr.strip().splitlines()[0] if stderr.strip() else "?"
+    failed = re.search(r"patch failed: (\S+):(\d+)", stderr)
+    if not failed:
+        return first
+    # The hunk of that file whose old side starts at that line.
+    path, line = failed.groups()
+    in_file = False
+    for text in patch.read_text().splitlines():
+        if text.startswith("diff --git "):
+            in_file = text.endswith(f" b/{path}")
+        elif in_file and text.startswith(f"@@ -{line},"):
+            return f"{first}; hunk {text}"
+    return first
 
 
 def _git_apply_all(tree: Path, patches: list[Path]) -> tuple[bool, str]:
@@ -114,6 +115,29 @@ def _report(piece: str, ok: bool, text: str, scratch: Path | None = None) -> boo
     return ok
 
 
+def _apply_then_test(
+    name: str,
+    scratch: Path,
+    tree: Path,
+    patches: list[Path],
+    tests: bool,
+    run_tests: Callable[[], tuple[bool, str]],
+) -> bool:
+    """Apply ``patches`` in ``tree`` (in ``scratch``), then run ``run_tests()`` if ``tests``.
+
+    ``run_tests`` returns whether the tests pass and what the line says of them.
+    Prints the piece's one line; returns whether it passed.
+    """
+    applied, how = _git_apply_all(tree, patches)
+    if not applied:
+        shutil.rmtree(scratch)
+        return _report(name, False, f"CONFLICTS: {how}")
+    if not tests:
+        return _report(name, True, f"applies{how}, tests not run", scratch)
+    ok, verdict = run_tests()
+    return _report(name, ok, f"applies{how}, tests {verdict}", scratch)
+
+
 def _torch_stage(name: str, checkout: Path, patches: list[Path], tests: bool) -> bool:
     files = [prove.TARGET, *prove.UPSTREAM_TESTS]
     scratch = Path(tempfile.mkdtemp(prefix="recheck."))
@@ -125,12 +149,15 @@ def _torch_stage(name: str, checkout: Path, patches: list[Path], tests: bool) ->
             shutil.copyfile(checkout / path, tree / path)
     if prove.TARGET in missing:
         return _report(name, False, f"FAILS: {prove.TARGET} is not in {checkout}")
-    applied, how = _git_apply_all(tree, patches)
-    if not applied:
-        shutil.rmtree(scratch)
-        return _report(name, False, f"CONFLICTS: {how}")
-    if not tests:
-        return _report(name, True, f"applies{how}, tests not run", scratch)
+    return _apply_then_test(
+        name, scratch, tree, patches, tests, lambda: _torch_tests(scratch, tree, patches, missing)
+    )
+
+
+def _torch_tests(
+    scratch: Path, tree: Path, patches: list[Path], missing: list[str]
+) -> tuple[bool, str]:
+    """The tests ``patches`` add or change, run as prove.py runs them on the patched tree."""
     site = scratch / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(prove.SITECUSTOMIZE)
@@ -158,8 +185,7 @@ def _torch_stage(name: str, checkout: Path, patches: list[Path], tests: bool) ->
     verdict = "pass" if ok else f"FAIL (logs: {scratch})"
     if ok and skipped:
         verdict = "pass, but every test of a file was SKIPPED (run them where they can run)"
-    verdict = f"applies{how}, tests {verdict}"
-    return _report(name, ok, f"{verdict}: {'; '.join(results)}", scratch)
+    return ok, f"{verdict}: {'; '.join(results)}"
 
 
 def _lightning(checkout: Path | None, tests: bool) -> bool:
@@ -178,12 +204,13 @@ def _lightning(checkout: Path | None, tests: bool) -> bool:
             shutil.copy2(entry, scratch / entry.name)
         elif entry.name in touched:
             shutil.copytree(entry, scratch / entry.name, symlinks=True)
-    applied, how = _git_apply_all(scratch, LIGHTNING_PATCHES)
-    if not applied:
-        shutil.rmtree(scratch)
-        return _report(name, False, f"CONFLICTS: {how}")
-    if not tests:
-        return _report(name, True, f"applies{how}, tests not run", scratch)
+    return _apply_then_test(
+        name, scratch, scratch, LIGHTNING_PATCHES, tests, lambda: _lightning_tests(scratch)
+    )
+
+
+def _lightning_tests(scratch: Path) -> tuple[bool, str]:
+    """The tests the Lightning patch adds or changes, run with pytest on the patched copy."""
     targets = []
     for patch in LIGHTNING_PATCHES:
         for line in patch.read_text().splitlines():
@@ -198,9 +225,8 @@ def _lightning(checkout: Path | None, tests: bool) -> bool:
     (scratch / "pytest.log").write_text(proc.stdout + proc.stderr)
     summary = (proc.stdout.strip().splitlines() or ["no pytest output"])[-1].strip("= ")
     if proc.returncode == 0:
-        text = f"applies{how}, tests pass ({len(targets)} node ids: {summary})"
-        return _report(name, True, text, scratch)
-    return _report(name, False, f"applies{how}, tests FAIL ({summary}; log: {scratch}/pytest.log)")
+        return True, f"pass ({len(targets)} node ids: {summary})"
+    return False, f"FAIL ({summary}; log: {scratch}/pytest.log)"
 
 
 def _torchrun(script: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
