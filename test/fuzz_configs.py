@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from fuzz_surface import draw_surface
+
 
 __all__ = ["Config", "make_config", "module_paths"]
 
@@ -315,14 +317,18 @@ def events(
     return out
 
 
-def make_config(seed: int, index: int, world_size: int) -> Config:
-    """The configuration ``index`` of ``seed`` for ``world_size`` ranks."""
+def make_config(seed: int, index: int, world_size: int, surface: bool = True) -> Config:
+    """The configuration ``index`` of ``seed`` for ``world_size`` ranks.
+
+    ``surface=False``: without the axes of ``fuzz_surface.py``, as the long runs
+    before them drew it.
+    """
     rng = random.Random(f"{seed}:{index}")
     shape = model_shape(rng)
     wrap = wrapping(rng, shape, world_size)
     wrap["tp"] = tensor_parallel(random.Random(f"{seed}:{index}:tp"), shape, wrap, world_size)
     optim = optimizers(rng, shape)
-    return {
+    config = {
         "seed": seed,
         "index": index,
         "world_size": world_size,
@@ -331,3 +337,6 @@ def make_config(seed: int, index: int, world_size: int) -> Config:
         "optimizers": optim,
         "events": events(rng, shape, wrap, optim),
     }
+    if surface:
+        draw_surface(config)
+    return config

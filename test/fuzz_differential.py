@@ -56,18 +56,21 @@ from fuzz_runner import BROKEN_FIXES, MODES, run_configs  # noqa: F401
 
 def check(
     pairs: list[tuple[int, int]], world_size: int = 2, broken: str | None = None,
-    batch: int = 40, out=sys.stdout,
+    batch: int = 40, out=sys.stdout, surface: bool = True,
 ) -> dict[str, Any]:
-    """Run and classify configurations (seed, index); print a line per finding and the counts."""
+    """Run and classify configurations (seed, index); print a line per finding and the counts.
+
+    ``surface=False`` draws them without ``fuzz_surface.py``'s axes.
+    """
     start = time.monotonic()
     findings = []
     counts: Counter = Counter()
     for first in range(0, len(pairs), batch):
         chunk = pairs[first:first + batch]
-        configs = [make_config(seed, index, world_size) for seed, index in chunk]
+        configs = [make_config(seed, index, world_size, surface) for seed, index in chunk]
         results = run_configs(configs, world_size, broken)
         for seed, index in chunk:
-            config = make_config(seed, index, world_size)
+            config = make_config(seed, index, world_size, surface)
             verdict = classify(config, results[(seed, index)])
             counts["configurations"] += 1
             counts[f"kind {verdict['kind']}"] += 1
@@ -76,6 +79,11 @@ def check(
                 counts["stock died or hung"] += 1
             if verdict["kind"] == "both fail":
                 counts[f"reference fails: {_failure_of(results[(seed, index)]['reference'][0])}"] += 1
+            for axis in config["surface"] if surface else ():
+                counts[f"axis {axis}"] += 1
+                counts[f"axis {axis}: {verdict['kind']}"] += 1
+                if verdict["verdict"] == "divergence":
+                    counts[f"axis {axis}: divergences"] += 1
             if verdict["verdict"] == "divergence":
                 counts["divergences"] += 1
                 findings.append((seed, index, verdict))
@@ -115,6 +123,15 @@ def render_counts(counts: Counter, elapsed: float, world_size: int, broken: str 
     lines += [f"    {key}: {value}" for key, value in sorted(counts.items())
               if key.startswith("reference fails: ")]
     lines.append(f"  divergences: {counts['divergences']}")
+    axes = [key[len("axis "):] for key in counts if key.startswith("axis ") and ":" not in key]
+    if axes:
+        lines.append("  FSDP2 surface axes (configurations: bug / control / both fail, divergences):")
+    for axis in sorted(axes):
+        lines.append(
+            f"    {axis}: {counts[f'axis {axis}']}: {counts[f'axis {axis}: bug']} / "
+            f"{counts[f'axis {axis}: control']} / {counts[f'axis {axis}: both fail']}, "
+            f"{counts[f'axis {axis}: divergences']}"
+        )
     return "\n".join(lines)
 
 
@@ -152,11 +169,11 @@ if __name__ == "__main__":
 '''
 
 
-def repro_script(seed: int, index: int, world_size: int) -> str:
+def repro_script(seed: int, index: int, world_size: int, surface: bool = True) -> str:
     """A script that runs configuration ``seed:index`` alone, its config written out."""
     import pprint
 
-    config = make_config(seed, index, world_size)
+    config = make_config(seed, index, world_size, surface)
     return _REPRO.format(
         seed=seed, index=index, world_size=world_size,
         config=pprint.pformat(config, width=100, sort_dicts=False),
@@ -178,13 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=40, help="configurations per world of ranks")
     parser.add_argument("--broken", choices=BROKEN_FIXES, help="a deliberately broken fix")
     parser.add_argument("--repro", metavar="SEED:INDEX", help="print a standalone script for one")
+    parser.add_argument("--without-surface", action="store_true",
+                        help="without fuzz_surface.py's axes, as runs before them drew")
     args = parser.parse_args(argv)
     if args.repro:
         seed, index = (int(part) for part in args.repro.split(":"))
-        print(repro_script(seed, index, args.world))
+        print(repro_script(seed, index, args.world, not args.without_surface))
         return 0
     pairs = [(seed, index) for seed in _parse_seeds(args.seeds) for index in range(args.n)]
-    report = check(pairs, args.world, args.broken, args.batch)
+    report = check(pairs, args.world, args.broken, args.batch, surface=not args.without_surface)
     return 1 if report["findings"] else 0
 
 

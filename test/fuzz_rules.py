@@ -234,6 +234,18 @@ def _forgive_freed_held_tensors(fix: dict, baseline: dict) -> tuple[dict, bool]:
 
 
 HELD_TENSOR_RULE = "a tensor held from unshard() freed by the call"
+STALE_COPY_RULE = "stale unsharded copy replaced (set_reshard_after_backward(False))"
+
+
+def _stale_copy_replaced(config: Config, reference: dict, fix: dict) -> bool:
+    """README "What it changes": where a group stays unsharded across an optimizer
+    step (``set_reshard_after_backward(False)``), stock's next forward uses the
+    stale unsharded copy; the fix's reshard makes the next forward all-gather the
+    stepped shards. Accepted only where the fix equals the reference exactly."""
+    return (
+        "reshard_after_backward" in config.get("surface", {})
+        and _first_difference(fix, reference) is None
+    )
 
 
 def classify(config: Config, outcomes: dict[str, list[dict]]) -> dict[str, Any]:
@@ -264,6 +276,10 @@ def classify(config: Config, outcomes: dict[str, list[dict]]) -> dict[str, Any]:
                 (label for label, fn in RULES.items() if fn(config, baseline, fix_rank, idx)),
                 None,
             )
+            if rule is None and kind == "control" and _stale_copy_replaced(
+                config, outcomes["reference"][rank], fix_rank
+            ):
+                rule = STALE_COPY_RULE
             if rule is not None:
                 candidate = (f"documented: {rule}", name, idx, "")
             elif fix[rank]["status"] in ("died", "hang"):

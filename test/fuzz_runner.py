@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -28,8 +29,9 @@ from torch.distributed.fsdp import (
     FSDPModule,
     MixedPrecisionPolicy,
     fully_shard,
+    register_fsdp_forward_method,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import backport
 from _fsdp_cases import (
@@ -74,11 +76,14 @@ def _build_model(shape: dict[str, Any]):
                 raise Abort("forward aborted on purpose")
             return x
 
+    # An odd hidden size: dims no world size divides (fuzz_surface's shard_placement).
+    hidden = DIM + 1 if shape.get("odd_hidden") else DIM
+
     class Block(nn.Module):
         def __init__(self, idx: int) -> None:
             super().__init__()
-            self.lin1 = nn.Linear(DIM, DIM)
-            self.lin2 = nn.Linear(DIM, DIM)
+            self.lin1 = nn.Linear(DIM, hidden)
+            self.lin2 = nn.Linear(hidden, DIM)
             if shape["buffers"]:
                 self.register_buffer("scale", torch.full((DIM,), 1.0 + 0.125 * idx))
                 self.register_buffer("calls", torch.zeros(()), persistent=False)
@@ -164,6 +169,10 @@ def _build_model(shape: dict[str, Any]):
                 logits = logits + self.out_bias
             return logits
 
+        def score(self, tokens: torch.Tensor) -> torch.Tensor:
+            """The forward as another method: register_fsdp_forward_method's case."""
+            return self.forward(tokens)
+
         def _sequential(self, h: torch.Tensor) -> torch.Tensor:
             for idx, block in enumerate(self.blocks):
                 h = block(h)
@@ -217,13 +226,38 @@ def _reshard_int(mesh_shape: list[int]) -> int:
     return 2 if shard > 2 and shard % 2 == 0 else 1
 
 
-def _wrap(model, wrap: dict[str, Any]) -> list[Any]:
+def _shard_placement_fn(placement: str, shard_size: int):
+    """Shard(1) of each matrix, or each parameter's largest dim.
+
+    FSDP2 shards dim 0 unevenly; another dim only where every dim divides
+    evenly (2.15 rejects the rest, and 2.10 computes wrong shapes for them):
+    such a parameter keeps the default Shard(0).
+    """
+
+    def placement_fn(param):
+        shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
+        if placement == "shard1_matrices":
+            dim = 1 if param.ndim == 2 else 0
+        else:
+            dim = max(range(param.ndim), key=lambda d: shape[d])
+        if dim == 0 or any(size % shard_size for size in shape):
+            return None
+        return Shard(dim)
+
+    return placement_fn
+
+
+def _wrap(model, wrap: dict[str, Any], surface: dict[str, Any]) -> list[Any]:
     """Apply fully_shard / replicate as ``wrap`` says; return each group's first module."""
     tp = wrap.get("tp")
     mesh, tp_mesh = _mesh(wrap["mesh"], tp["degree"] if tp else 0)
     if tp:
         apply_tensor_parallel(model, tp_mesh, tp["sequence_parallel"])
     kwargs: dict[str, Any] = {"mesh": mesh}
+    if "shard_placement" in surface:
+        kwargs["shard_placement_fn"] = _shard_placement_fn(
+            surface["shard_placement"]["placement"], wrap["mesh"][-1]
+        )
     if wrap["mixed_precision"]:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     if wrap["offload"]:
@@ -256,6 +290,70 @@ def _wrap(model, wrap: dict[str, Any]) -> list[Any]:
     return firsts
 
 
+def _set_switches(model, group_modules: list[Any], surface: dict[str, Any]) -> list[list[Any]]:
+    """The ``FSDPModule`` switches ``surface`` names; records where torch lacks one."""
+    records = []
+    for axis, value in (("reshard_after_backward", False), ("keep_unsharded_storage", True)):
+        if axis not in surface:
+            continue
+        module = group_modules[surface[axis]["group"]]
+        setter = getattr(module, f"set_{axis}", None)
+        if setter is None:
+            records.append([-1, axis, "unavailable"])
+        else:
+            setter(value, recurse=surface[axis]["recurse"])
+    if "forward_method" in surface:
+        register_fsdp_forward_method(model, surface["forward_method"]["method"])
+    return records
+
+
+def _convert_float8(model, shape: dict[str, Any]) -> str:
+    """The blocks' Linears as torchao float8 training weights, all-gathered in float8."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return "unavailable (no torchao)"
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, pad_inner_dim=True)
+    for path in module_paths(shape)["blocks"]:
+        convert_to_float8_training(model.get_submodule(path), config=config)
+    return "converted"
+
+
+_OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {}),
+    "sgd_momentum": (torch.optim.SGD, {"momentum": 0.9}),
+    "adam": (torch.optim.Adam, {}),
+    "adamw": (torch.optim.AdamW, {}),
+    "adagrad": (torch.optim.Adagrad, {}),
+    "rmsprop": (torch.optim.RMSprop, {}),
+    "nadam": (torch.optim.NAdam, {}),
+    "radam": (torch.optim.RAdam, {}),
+    "muon": (getattr(torch.optim, "Muon", None), {}),
+}
+_IMPLS = {None: {}, "single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def _owned(model, owner: str, trainable: list[Any], head_params: set[int]) -> list[Any]:
+    """The parameters of ``trainable`` an optimizer spec's ``owns`` names."""
+    blocks = {id(p) for name, p in model.named_parameters() if "blocks." in name}
+    if owner == "all":
+        return trainable
+    if owner == "head":
+        return [p for p in trainable if id(p) in head_params]
+    if owner == "rest":
+        return [p for p in trainable if id(p) not in head_params]
+    if owner == "rest_blocks":
+        return [p for p in trainable if id(p) not in head_params and id(p) in blocks]
+    if owner == "rest_other":
+        return [p for p in trainable if id(p) not in head_params and id(p) not in blocks]
+    matrices = {id(p) for p in trainable if id(p) in blocks and p.ndim == 2}
+    if owner == "matrices":
+        return [p for p in trainable if id(p) in matrices]
+    if owner == "non_matrices":
+        return [p for p in trainable if id(p) not in matrices]
+    raise AssertionError(f"Expected an optimizer owner, got {owner!r}")
+
+
 def _build_optims(model, spec: dict[str, Any]) -> list[Any]:
     head_params = {id(p) for p in model.head.parameters()}
     if hasattr(model, "lora_a"):
@@ -263,12 +361,7 @@ def _build_optims(model, spec: dict[str, Any]) -> list[Any]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optims = []
     for idx, optim in enumerate(spec["optims"]):
-        if optim["owns"] == "all":
-            params = trainable
-        elif optim["owns"] == "head":
-            params = [p for p in trainable if id(p) in head_params]
-        else:
-            params = [p for p in trainable if id(p) not in head_params]
+        params = _owned(model, optim["owns"], trainable, head_params)
         if not params:
             # An optimizer needs a parameter; a frozen head leaves the adapter
             # out of it, so give it the norm's.
@@ -278,15 +371,10 @@ def _build_optims(model, spec: dict[str, Any]) -> list[Any]:
             groups = [{"params": params[0::2]}, {"params": params[1::2], "lr": lr / 2}]
         else:
             groups = [{"params": params}]
-        kind = optim["kind"]
-        if kind == "sgd":
-            optims.append(torch.optim.SGD(groups, lr=lr))
-        elif kind == "sgd_momentum":
-            optims.append(torch.optim.SGD(groups, lr=lr, momentum=0.9))
-        elif kind == "adam":
-            optims.append(torch.optim.Adam(groups, lr=lr))
-        else:
-            optims.append(torch.optim.AdamW(groups, lr=lr))
+        cls, kwargs = _OPTIMIZERS[optim["kind"]]
+        if cls is None:
+            raise RuntimeError(f"torch {torch.__version__} has no optimizer {optim['kind']!r}")
+        optims.append(cls(groups, lr=lr, **kwargs, **_IMPLS[optim.get("impl")]))
     return optims
 
 
@@ -400,19 +488,43 @@ def _call(model, optims, event: dict[str, Any], snapshots: dict[str, Any]):
     return [("returned", repr(result))]
 
 
+def _call_in_context(model, optims, event, snapshots):
+    """The call as ``event["context"]`` says: as is, inside no_grad, or from another thread."""
+    context = event.get("context")
+    if context == "no_grad":
+        with torch.no_grad():
+            return _call(model, optims, event, snapshots)
+    if context != "thread":
+        return _call(model, optims, event, snapshots)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = _call(model, optims, event, snapshots)
+        except Exception as err:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
 def _call_on_ranks(model, optims, event, snapshots, reshard_first: bool):
     """The call on every rank, or on rank 0 alone; the reference reshards first."""
     if event.get("ranks") != "first":
         if reshard_first:
             _reshard_all(model)
-        return _call(model, optims, event, snapshots)
+        return _call_in_context(model, optims, event, snapshots)
     result: Any = [("skipped", "called on rank 0 only")]
     error: Exception | None = None
     if dist.get_rank() == 0:
         if reshard_first:
             _reshard_all(model)
         try:
-            result = _call(model, optims, event, snapshots)
+            result = _call_in_context(model, optims, event, snapshots)
         except Exception as err:  # every rank learns of it below
             if _collective_failure(err):
                 raise
@@ -464,17 +576,23 @@ def run_mode(
     """
     torch.manual_seed(config["seed"] * 1000 + config["index"])
     model, abort_type = _build_model(config["model"])
+    surface = config.get("surface", {})
     records: list[list[Any]] = []
     status = "ok"
     optims: list[Any] = []
     snapshots: dict[str, Any] = {}
     # Parameters taken from the model after unshard(), kept across calls.
     held: list[tuple[str, Any]] = []
+    # unshard(async_op=True) handles left to the next forward to wait on.
+    pending: list[Any] = []
     step = 0
     idx = -1
     with _mode_installed(mode, broken):
         try:
-            group_modules = _wrap(model, config["wrapping"])
+            if "float8" in surface:
+                records.append([-1, "float8", _convert_float8(model, config["model"])])
+            group_modules = _wrap(model, config["wrapping"], surface)
+            records.extend(_set_switches(model, group_modules, surface))
             for idx, event in enumerate(config["events"]):
                 progress(idx)
                 kind = event["do"]
@@ -494,16 +612,26 @@ def run_mode(
                         # would make DSD skip initializing its state.
                         model.zero_grad(set_to_none=True)
                     records.append([idx, kind, loss.item().hex()])
+                elif kind == "accumulate":
+                    records.append([idx, kind, _accumulate(model, step)])
+                    step += 1
                 elif kind == "eval":
                     context = torch.inference_mode if event["mode"] == "inference_mode" else torch.no_grad
+                    # model(...) runs FSDP2's hooks; a method is hooked only
+                    # once register_fsdp_forward_method registered it.
+                    forward = getattr(model, event["method"]) if "method" in event else model
                     model.eval()
                     with context():
-                        out = model(batch(-1)[0])
+                        out = forward(batch(-1)[0])
                     model.train()
                     records.append([idx, kind, _digest_tensor(out)])
                 elif kind == "unshard":
                     module = group_modules[event["group"] % len(group_modules)]
-                    module.unshard()
+                    handle = module.unshard(async_op=event.get("async", False))
+                    if handle is not None and event.get("wait"):
+                        handle.wait()
+                    elif handle is not None:
+                        pending.append(handle)
                     if event.get("hold"):
                         name, param = next(iter(module.named_parameters()), ("", None))
                         if param is not None:
@@ -528,9 +656,24 @@ def run_mode(
                 raise
             status = "raised"
             records.append([idx, "raised", describe_error(err, first_line=True)])
-    del model, optims, snapshots, held
+    del model, optims, snapshots, held, pending
     gc.collect()
     return {"status": status, "records": records}
+
+
+def _accumulate(model, step: int) -> str:
+    """A forward and backward whose gradients FSDP2 accumulates unreduced; no step."""
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        tokens, targets = batch(step)
+        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)
+    return loss.item().hex()
 
 
 def _abort(model, event: dict[str, Any], abort_type) -> str:
