@@ -31,8 +31,8 @@ nox.options.reuse_existing_virtualenvs = True
 # uv, virtualenv and pip.
 nox.options.default_venv_backend = "uv|virtualenv"
 
-# `nox` alone runs these (what CI runs); `nox -s flake` and `nox -s fuzz`
-# are run by hand.
+# `nox` alone runs these (what CI runs); `nox -s flake`, `nox -s fuzz` and
+# `nox -s torchtitan03` are run by hand.
 nox.options.sessions = ["lint", "tests", "twinkle"]
 
 # A CUDA build of torch fills 5.5-7.3 GiB of virtualenv, and the five sessions'
@@ -89,6 +89,17 @@ def twinkle(session: nox.Session) -> None:
     _install_and_run(
         session,
         ["torch==2.13.0", ".[twinkle]"],
+        ["python", "-m", "pytest", *(session.posargs or default)],
+    )
+
+
+@nox.session
+def torchtitan03(session: nox.Session) -> None:
+    """test/test_torchtitan.py against torchtitan 0.3.x, which no longer calls DSD."""
+    default = ["-q", "-rs", "test/test_torchtitan.py"]
+    _install_and_run(
+        session,
+        [f"torch=={FRAMEWORKS_TORCH}", ".[test]", "torchtitan==0.3.0"],
         ["python", "-m", "pytest", *(session.posargs or default)],
     )
 
