@@ -54,11 +54,15 @@ def _failing_event(config: Config, outcome: dict, idx: int) -> dict | None:
 
 
 def _optimizer_built_unsharded(config: Config) -> bool:
-    """An evaluation (or unshard()) left groups unsharded when the optimizers were built."""
+    """An evaluation, unshard(), or a backward under set_reshard_after_backward(False)
+    left groups unsharded when the optimizers were built."""
+    unsharded_by = {"eval", "unshard", "abort"}
+    if "reshard_after_backward" in config.get("surface", {}):
+        unsharded_by |= {"train", "accumulate"}
     for event in config["events"]:
         if event["do"] == "build_optims":
             return False
-        if event["do"] in ("eval", "unshard", "abort"):
+        if event["do"] in unsharded_by:
             return True
     return False
 
