@@ -110,7 +110,7 @@ class BackportWarning(RuntimeWarning):
 
 
 class UntestedTorchWarning(BackportWarning):
-    """``apply()`` patched a torch newer than the releases it was tested on."""
+    """``apply()`` patched a torch newer than the releases it supports."""
 
 
 class OptimizerParamNotInModelError(ValueError, KeyError):
@@ -518,13 +518,19 @@ def _torch_release(version: str) -> tuple[int, int] | None:
 
 
 def _supported_range() -> str:
-    """Return the tested releases as text, e.g. "2.7 to 2.15"."""
+    """Return the supported releases as text, e.g. "2.7 to 2.15"."""
     (lo_major, lo_minor), (hi_major, hi_minor) = _SUPPORTED
     return f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
 
 
+def _install_command() -> str:
+    """Return the pip command that installs a supported torch."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = _SUPPORTED
+    return f'pip install "torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}"'
+
+
 def _is_untested(version: str) -> bool:
-    """Whether torch ``version`` is newer than the releases tested (``_SUPPORTED``)."""
+    """Whether torch ``version`` is newer than the supported releases (``_SUPPORTED``)."""
     release = _torch_release(version)
     return release is not None and release > _SUPPORTED[1]
 
@@ -546,7 +552,7 @@ def _why_no_patch_needed(version: str, module: ModuleType) -> str | None:
     ):
         return f"torch {version} already contains the fix; remove the backport"
     cannot = "so this backport cannot patch it safely"
-    install = _remedy(f"install torch {_supported_range()} (the tested range)")
+    install = _remedy(f"install a supported torch ({_install_command()})")
     release = _torch_release(version)
     if release is None:
         raise UnsupportedTorchError(
@@ -554,16 +560,14 @@ def _why_no_patch_needed(version: str, module: ModuleType) -> str | None:
         )
     if release < _SUPPORTED[0]:
         raise UnsupportedTorchError(
-            f"torch {version} is older than the releases this backport was tested on "
+            f"torch {version} is older than the releases this backport supports "
             f"({_supported_range()}), {cannot}",
             install,
         )
-    (hi_major, hi_minor) = _SUPPORTED[1]
-    pin = f"pin torch <= {hi_major}.{hi_minor} (the tested range)"
     if target is None:
         raise UnsupportedTorchError(
             f"torch {version} has no {_TARGET_MODULE}.{_TARGET_NAME}, {cannot}",
-            _remedy(pin),
+            install,
         )
     original = getattr(target, "__wrapped__", target)
     code = getattr(original, "__code__", None)
@@ -572,12 +576,12 @@ def _why_no_patch_needed(version: str, module: ModuleType) -> str | None:
         raise UnsupportedTorchError(
             f"torch {version} changed {_TARGET_MODULE}.{_TARGET_NAME} (expected "
             f"parameters {_TARGET_PARAMS}, found {tuple(names) or repr(target)}), {cannot}",
-            _remedy(pin),
+            install,
         )
     missing = [name for name in _WRAPPERS if not callable(getattr(module, name, None))]
     if missing:
         raise UnsupportedTorchError(
-            f"torch {version} has no {_TARGET_MODULE}.{missing[0]}, {cannot}", _remedy(pin)
+            f"torch {version} has no {_TARGET_MODULE}.{missing[0]}, {cannot}", install
         )
     return None
 
@@ -599,14 +603,14 @@ def apply() -> str:
     on none. After an exception in forward or backward, call
     ``FSDPModule.reset_iter_state()`` on the root module first.
 
-    On a torch newer than the tested releases whose wrapped functions keep
+    On a torch newer than the supported releases whose wrapped functions keep
     their shape, the call that installs the wrappers first warns
     ``UntestedTorchWarning``: ``warnings.simplefilter("error",
     UntestedTorchWarning)`` makes that an exception, with nothing patched. On a
     torch that carries the fix it does nothing and warns ``BackportWarning``.
 
     Raises:
-        UnsupportedTorchError: torch is older than the tested releases, its
+        UnsupportedTorchError: torch is older than the supported releases, its
             version cannot be read, or the functions wrapped changed shape.
     """
     torch, module = _torch_and_state_dict_module()
@@ -618,8 +622,8 @@ def apply() -> str:
             # Before the first wrapper goes in: an error filter leaves torch unpatched.
             if todo and _is_untested(version):
                 warnings.warn(
-                    f"torch {version} is newer than the releases this backport was "
-                    f"tested on ({_supported_range()}) and was patched because the "
+                    f"torch {version} is newer than the releases this backport "
+                    f"supports ({_supported_range()}) and was patched because the "
                     "functions it wraps keep their shape; run `python -m backport` to "
                     "check whether this torch still needs it.",
                     UntestedTorchWarning,

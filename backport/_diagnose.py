@@ -8,17 +8,18 @@ installed, once after backport.apply() in those 2 processes only: nothing is
 written to disk, and your torch stays unpatched until your code calls
 backport.apply().
 
-On a torch newer than the releases the backport was tested on (2.7 to 2.15) it
+On a torch newer than the releases the backport supports (2.7 to 2.15) it
 says so; apply() patches such a torch where the functions it wraps keep their
 shape, and this check shows whether it still needs the backport. Install a
-tested torch with: pip install "torch>=2.7,<2.16" (for a CPU-only or a specific
+supported torch with: pip install "torch>=2.7,<2.16" (for a CPU-only or a specific
 CUDA/ROCm build, add the index URL that pytorch.org gives).
 
 Exit status:
   0  not affected, or affected and fixed by backport.apply()
   1  affected and not fixed: backport.apply() does not fix it or refuses this
-     torch; or the check could not run; or this Python has no torch
+     torch
   2  usage error
+  3  no verdict: the check could not run, or this Python has no torch
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import backport
 
 
 WORLD_SIZE = 2
+# The exit status when there is no verdict, apart from 1 (affected and not fixed).
+NO_VERDICT = 3
 # One failing rank must fail the check, not leave its peer in a collective
 # until gloo's default 30 minute timeout.
 _PG_TIMEOUT = timedelta(seconds=90)
@@ -238,11 +241,6 @@ def _affected(outcomes: list[str]) -> list[str]:
     return ["Affected: yes. After the evaluation forward, a step raised the error shown."]
 
 
-def _install_command() -> str:
-    (lo_major, lo_minor), (hi_major, hi_minor) = backport._SUPPORTED
-    return f'pip install "torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}"'
-
-
 def _report(result: dict[str, object]) -> tuple[str, int]:
     """Return the report on ``result`` from rank 0 and the exit status."""
     version = result["torch"]
@@ -253,8 +251,8 @@ def _report(result: dict[str, object]) -> tuple[str, int]:
     lines = [f"torch {version} ({result['torch_dir']})", *_table(without, with_fix), ""]
     if backport._is_untested(str(version)):
         lines += [
-            f"Untested: torch {version} is newer than the releases this backport was tested",
-            f"on ({backport._supported_range()}); the table above is what it does here.",
+            f"Untested: torch {version} is newer than the releases this backport supports",
+            f"({backport._supported_range()}); the table above is what it does here.",
             "",
         ]
     if not affected:
@@ -285,9 +283,9 @@ def _report(result: dict[str, object]) -> tuple[str, int]:
             "Fixed by backport.apply(): no, it refused this torch (right column: not run):",
             *textwrap.wrap(f"{refused}.", width=80),
             "",
-            f"Next step: install a tested torch ({backport._supported_range()}), e.g.",
+            f"Next step: install a supported torch ({backport._supported_range()}), e.g.",
             "",
-            f"    {_install_command()}",
+            f"    {backport._install_command()}",
             "",
             "or apply torch_patch/ (from the backport's project) to your torch.",
         ]
@@ -337,10 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("torch") is None:
         _progress(
             f"this Python ({sys.executable}) has no torch: install it first with "
-            f"{_install_command()} (for a CPU-only or a specific CUDA/ROCm build, add "
+            f"{backport._install_command()} (for a CPU-only or a specific CUDA/ROCm build, add "
             "the index URL that pytorch.org gives), then run python -m backport again"
         )
-        return 1
+        return NO_VERDICT
     _progress(
         f"starting {WORLD_SIZE} CPU processes (gloo) for the check (backport "
         f"{backport.__version__}), under a minute..."
@@ -351,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         result = _run_check()
     except ChildFailedError as err:
         _progress(f"the check could not run:\n{err}")
-        return 1
+        return NO_VERDICT
     text, status = _report(result)
     print(text, flush=True)
     return status

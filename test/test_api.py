@@ -443,7 +443,7 @@ class SupportGateTest(expecttest.TestCase):
     def test_too_old(self) -> None:
         self.assertExpectedInline(
             self._error("2.6.0+cu124", dsd),
-            """torch 2.6.0+cu124 is older than the releases this backport was tested on (2.7 to 2.15), so this backport cannot patch it safely; install torch 2.7 to 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""",
+            """torch 2.6.0+cu124 is older than the releases this backport supports (2.7 to 2.15), so this backport cannot patch it safely; install a supported torch (pip install "torch>=2.7,<2.16"), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""",
         )
 
     def test_newer_release_with_the_same_shape_is_patched(self) -> None:
@@ -454,7 +454,7 @@ class SupportGateTest(expecttest.TestCase):
     def test_unreadable_version(self) -> None:
         self.assertExpectedInline(
             self._error("nightly", dsd),
-            """torch 'nightly' has a version this backport cannot read, so this backport cannot patch it safely; install torch 2.7 to 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""",
+            """torch 'nightly' has a version this backport cannot read, so this backport cannot patch it safely; install a supported torch (pip install "torch>=2.7,<2.16"), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""",
         )
 
     def test_changed_signature(self) -> None:
@@ -463,14 +463,14 @@ class SupportGateTest(expecttest.TestCase):
 
         self.assertExpectedInline(
             self._error("2.13.0", _module_with(_verify_options)),
-            """torch 2.13.0 changed torch.distributed.checkpoint.state_dict._verify_options (expected parameters ('model', 'optims', 'optim_only', 'submodules', 'options'), found ('model', 'optims', 'options')), so this backport cannot patch it safely; pin torch <= 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""",
+            """torch 2.13.0 changed torch.distributed.checkpoint.state_dict._verify_options (expected parameters ('model', 'optims', 'optim_only', 'submodules', 'options'), found ('model', 'optims', 'options')), so this backport cannot patch it safely; install a supported torch (pip install "torch>=2.7,<2.16"), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""",
         )
 
     def test_missing_function(self) -> None:
         module = types.ModuleType("fake_state_dict")
         self.assertExpectedInline(
             self._error("2.13.0", module),
-            """torch 2.13.0 has no torch.distributed.checkpoint.state_dict._verify_options, so this backport cannot patch it safely; pin torch <= 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""",
+            """torch 2.13.0 has no torch.distributed.checkpoint.state_dict._verify_options, so this backport cannot patch it safely; install a supported torch (pip install "torch>=2.7,<2.16"), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""",
         )
 
     def test_torch_with_the_fix_needs_nothing(self) -> None:
@@ -538,7 +538,7 @@ class UpgradeBoundaryTest(expecttest.TestCase):
         with _torch_version("2.16.0"):
             self.assertExpectedInline(backport.status(), """not applied: torch 2.16.0 (untested: newer than 2.7 to 2.15); python -m backport tells whether it has the bug; backport.apply() patches it""")
             line, caught = _caught(backport.apply)
-            self.assertExpectedInline("\n".join(caught), """UntestedTorchWarning: torch 2.16.0 is newer than the releases this backport was tested on (2.7 to 2.15) and was patched because the functions it wraps keep their shape; run `python -m backport` to check whether this torch still needs it.""")
+            self.assertExpectedInline("\n".join(caught), """UntestedTorchWarning: torch 2.16.0 is newer than the releases this backport supports (2.7 to 2.15) and was patched because the functions it wraps keep their shape; run `python -m backport` to check whether this torch still needs it.""")
             self.assertTrue(backport.is_applied())
             self.assertExpectedInline(line.replace(backport.__version__, "<version>"), """applied: torch 2.16.0 (untested: newer than 2.7 to 2.15), 4 functions of torch.distributed.checkpoint.state_dict wrapped (backport <version>)""")
             # The later, idempotent calls are silent.
@@ -584,7 +584,7 @@ class UpgradeBoundaryTest(expecttest.TestCase):
             with self.assertRaises(backport.UnsupportedTorchError) as ctx:
                 backport.apply()
             self._unpatched()
-            self.assertExpectedInline(str(ctx.exception), """torch 2.6.0 is older than the releases this backport was tested on (2.7 to 2.15), so this backport cannot patch it safely; install torch 2.7 to 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""")
+            self.assertExpectedInline(str(ctx.exception), """torch 2.6.0 is older than the releases this backport supports (2.7 to 2.15), so this backport cannot patch it safely; install a supported torch (pip install "torch>=2.7,<2.16"), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells).""")
             self.assertEqual(backport.status(), f"unsupported: {ctx.exception}")
 
     def test_changed_shape_is_refused_with_the_remedy(self) -> None:
@@ -594,7 +594,7 @@ class UpgradeBoundaryTest(expecttest.TestCase):
         self.assertIs(dsd._verify_options, _reshaped_verify_options)
         self.assertEqual(backport._backport_wrappers_in(dsd), {})
         self.assertExpectedInline(ctx.exception.reason, """torch 2.16.0 changed torch.distributed.checkpoint.state_dict._verify_options (expected parameters ('model', 'optims', 'optim_only', 'submodules', 'options'), found ('model', 'optims', 'optim_only', 'submodules', 'options', 'strict')), so this backport cannot patch it safely""")
-        self.assertExpectedInline(ctx.exception.remedy, """pin torch <= 2.15 (the tested range), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells)""")
+        self.assertExpectedInline(ctx.exception.remedy, """install a supported torch (pip install "torch>=2.7,<2.16"), or apply torch_patch/ to your torch, or remove backport.apply() if your torch fixes the bug (python -m backport tells)""")
 
 
 class SupportedRangeTest(unittest.TestCase):

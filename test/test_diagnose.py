@@ -111,8 +111,8 @@ step                                      | torch as installed                  
 optimizer state saved after no_grad eval  | KeyError: 4                            | ok
 optimizer state loaded after no_grad eval | KeyError: DTensor(...)                 | ok
 
-Untested: torch <fake> is newer than the releases this backport was tested
-on (2.7 to 2.15); the table above is what it does here.
+Untested: torch <fake> is newer than the releases this backport supports
+(2.7 to 2.15); the table above is what it does here.
 
 <AFFECTED_AND_FIXED>
 
@@ -134,8 +134,8 @@ step                                      | torch as installed                  
 optimizer state saved after no_grad eval  | ok                                     | -
 optimizer state loaded after no_grad eval | ok                                     | -
 
-Untested: torch <fake> is newer than the releases this backport was tested
-on (2.7 to 2.15); the table above is what it does here.
+Untested: torch <fake> is newer than the releases this backport supports
+(2.7 to 2.15); the table above is what it does here.
 
 Affected: no. torch <fake> saved and loaded the optimizer state after
 the evaluation forward: you do not need backport.apply().
@@ -148,7 +148,7 @@ this backport cannot patch it safely.
 """)
 
     def test_affected_torch_the_backport_refuses(self) -> None:
-        """A torch older than the tested releases (faked 2.6.0) with the bug: exit status 1."""
+        """A torch older than the supported releases (faked 2.6.0) with the bug: exit status 1."""
         status, text = self._faked("2.6.0")
         self.assertEqual(status, 1, text)
         self.assertExpectedInline(text[text.index("\n\n") + 2:], """\
@@ -158,10 +158,10 @@ the optimizer the sharded ones. Each KeyError is the optimizer parameter DSD
 looked for, by its index (KeyError: <n>) or itself (KeyError: DTensor(...)).
 
 Fixed by backport.apply(): no, it refused this torch (right column: not run):
-torch <fake> is older than the releases this backport was tested on (2.7 to
-2.15), so this backport cannot patch it safely.
+torch <fake> is older than the releases this backport supports (2.7 to 2.15), so
+this backport cannot patch it safely.
 
-Next step: install a tested torch (2.7 to 2.15), e.g.
+Next step: install a supported torch (2.7 to 2.15), e.g.
 
     pip install "torch>=2.7,<2.16"
 
@@ -213,23 +213,23 @@ exit status:
         )
 
     def test_a_check_that_cannot_run(self) -> None:
-        """A rank that fails (here gloo, on a network interface that does not exist): exit status 1."""
+        """A rank that fails (here gloo, on a network interface that does not exist): exit status 3."""
         proc = _python_m_backport(
             "-m", "backport", env={**os.environ, "GLOO_SOCKET_IFNAME": "nonexistent0"}
         )
-        self.assertEqual(proc.returncode, 1)
+        self.assertEqual(proc.returncode, 3)
         self.assertEqual(proc.stdout, "")
         self.assertIn("\nbackport: the check could not run:\n", proc.stderr)
         # The launcher's report names the rank's error.
         self.assertIn("Unable to find address for: nonexistent0", proc.stderr)
 
     def test_without_torch(self) -> None:
-        """A Python without torch gets one line saying what to install, and exit status 1."""
+        """A Python without torch gets one line saying what to install, and exit status 3."""
         # -S: no site-packages, so this Python cannot import torch; PYTHONPATH
         # still finds the backport.
         root = str(Path(backport.__file__).parent.parent)
         proc = _python_m_backport("-S", "-m", "backport", env={**os.environ, "PYTHONPATH": root})
-        self.assertEqual(proc.returncode, 1)
+        self.assertEqual(proc.returncode, 3)
         self.assertEqual(proc.stdout, "")
         self.assertExpectedInline(proc.stderr.replace(sys.executable, "<python>"), """\
 backport: this Python (<python>) has no torch: install it first with pip install "torch>=2.7,<2.16" (for a CPU-only or a specific CUDA/ROCm build, add the index URL that pytorch.org gives), then run python -m backport again

@@ -26,7 +26,7 @@ def _result(without, with_fix=None, version="2.13.0", **fields) -> dict:
 OK = {"save": "ok", "load": "ok"}
 FAILED = {"save": "KeyError: 4", "load": "KeyError: DTensor(...)"}
 REFUSED = (
-    "torch 2.6.0 is older than the releases this backport was tested on (2.7 to 2.15), "
+    "torch 2.6.0 is older than the releases this backport supports (2.7 to 2.15), "
     "so this backport cannot patch it safely"
 )
 
@@ -61,8 +61,8 @@ Affected: no. torch 2.6.0 saved and loaded the optimizer state after
 the evaluation forward: you do not need backport.apply().
 
 Next step: remove backport.apply() from your code; it refuses this torch:
-torch 2.6.0 is older than the releases this backport was tested on (2.7 to
-2.15), so this backport cannot patch it safely.""")
+torch 2.6.0 is older than the releases this backport supports (2.7 to 2.15), so
+this backport cannot patch it safely.""")
 
     def test_refused_and_affected(self) -> None:
         result = _result(FAILED, version="2.6.0", status="unsupported: ...", refused=REFUSED)
@@ -74,10 +74,10 @@ the optimizer the sharded ones. Each KeyError is the optimizer parameter DSD
 looked for, by its index (KeyError: <n>) or itself (KeyError: DTensor(...)).
 
 Fixed by backport.apply(): no, it refused this torch (right column: not run):
-torch 2.6.0 is older than the releases this backport was tested on (2.7 to
-2.15), so this backport cannot patch it safely.
+torch 2.6.0 is older than the releases this backport supports (2.7 to 2.15), so
+this backport cannot patch it safely.
 
-Next step: install a tested torch (2.7 to 2.15), e.g.
+Next step: install a supported torch (2.7 to 2.15), e.g.
 
     pip install "torch>=2.7,<2.16"
 
@@ -88,8 +88,8 @@ or apply torch_patch/ (from the backport's project) to your torch.""")
         result = _result(OK, OK, version="2.16.0", status=status)
         self.assertExpectedInline(self._report(result), """\
 exit status 0
-Untested: torch 2.16.0 is newer than the releases this backport was tested
-on (2.7 to 2.15); the table above is what it does here.
+Untested: torch 2.16.0 is newer than the releases this backport supports
+(2.7 to 2.15); the table above is what it does here.
 
 Affected: no. torch 2.16.0 saved and loaded the optimizer state after
 the evaluation forward: you do not need backport.apply().""")
