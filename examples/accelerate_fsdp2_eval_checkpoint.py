@@ -1,8 +1,8 @@
 """accelerate + FSDP2 training that evaluates, then checkpoints and resumes.
 
 Needs accelerate and transformers besides torch and the backport (tested with
-accelerate 1.15.0 and transformers 5.24.0: ``pip install accelerate==1.15.0
-transformers==5.24.0``).
+accelerate 1.16.0 and transformers 5.25.0: ``pip install accelerate==1.16.0
+transformers==5.25.0``).
 
     accelerate launch --use_fsdp --fsdp_version 2 \\
         examples/accelerate_fsdp2_eval_checkpoint.py
