@@ -176,6 +176,32 @@ def _rule_group_outside_target(config, baseline, fix, idx) -> bool:
     return len(records[idx][2]) == len(base[idx][2])
 
 
+def _rule_stale_copy_outside_target(config, baseline, fix, idx) -> bool:
+    """README "What it changes": a group kept unsharded across a step by
+    ``set_reshard_after_backward(False)`` and outside the submodule a call was
+    passed keeps stock's stale unsharded copy: the fix reshards only the groups
+    in that submodule and the one owning its parameters, the reference every
+    group, so the next training loss differs."""
+    switch = config.get("surface", {}).get("reshard_after_backward")
+    records, base = fix["records"], baseline["records"]
+    if switch is None or idx >= len(records) or idx >= len(base):
+        return False
+    if records[idx][1] != "train" or base[idx][1] != "train":
+        return False
+    paths = _group_paths(config)
+    switched = paths[switch["group"]]
+    for event in config["events"][: records[idx][0]]:
+        if event["do"] != "call" or event["target"] == "":
+            continue
+        target = event["target"]
+        owner = max(
+            (p for group in paths for p in group if _is_under(target, p)), key=len, default=None
+        )
+        if not any(_is_under(p, target) or p == owner for p in switched):
+            return True
+    return False
+
+
 def _rule_aborted_forward_without_reset(config, baseline, fix, idx) -> bool:
     """backport's docstring, README "What it changes": a forward or backward that
     raised leaves its groups marked as running, and reshard() skips them until
@@ -212,6 +238,7 @@ RULES = {
     "tied secondary module (Limits)": _rule_tied_secondary,
     "tied secondary module, model call (Limits)": _rule_tied_secondary_model_call,
     "a group outside the submodule passed in": _rule_group_outside_target,
+    "stale unsharded copy outside the submodule passed in": _rule_stale_copy_outside_target,
     "forward aborted without reset_iter_state()": _rule_aborted_forward_without_reset,
     "rank-local reshard (a call on rank 0 alone)": _rule_rank_local_reshard,
 }
