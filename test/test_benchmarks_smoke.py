@@ -11,7 +11,7 @@ import expecttest
 import pytest
 
 
-pytestmark = pytest.mark.ranks
+pytestmark = [pytest.mark.ranks, pytest.mark.tooling]
 
 
 RUN = Path(__file__).parent.parent / "benchmarks" / "run.py"

@@ -100,6 +100,7 @@ backport: checking again with backport.apply() in these processes...""")
         self.assertNotIn("Traceback", proc.stderr)
         return proc.returncode, _render(proc.stdout.replace(version, "<fake>"))
 
+    @pytest.mark.tooling
     def test_newer_torch_affected_and_fixed(self) -> None:
         """An untested torch (faked 2.16.0) with the bug: apply() fixes it, exit status 0."""
         status, text = self._faked("2.16.0")
@@ -119,6 +120,7 @@ Untested: torch <fake> is newer than the releases this backport supports
 On torch <fake> apply() warns UntestedTorchWarning once when it patches.
 """)
 
+    @pytest.mark.tooling
     def test_fixed_torch_the_backport_refuses(self) -> None:
         """A newer torch fixed under another name, whose _verify_options changed: exit status 0.
 
@@ -147,6 +149,7 @@ found ('model', 'optims', 'optim_only', 'submodules', 'options', 'strict')), so
 this backport cannot patch it safely.
 """)
 
+    @pytest.mark.tooling
     def test_affected_torch_the_backport_refuses(self) -> None:
         """A torch older than the supported releases (faked 2.6.0) with the bug: exit status 1."""
         status, text = self._faked("2.6.0")
@@ -168,6 +171,7 @@ Next step: install a supported torch (2.7 to 2.15), e.g.
 or apply torch_patch/ (from the backport's project) to your torch.
 """)
 
+    @pytest.mark.tooling
     def test_no_torch_warnings_without_numpy(self) -> None:
         """torch's warning about a missing numpy does not reach the user: the check needs none."""
         with tempfile.TemporaryDirectory() as shadow:
@@ -184,6 +188,7 @@ or apply torch_patch/ (from the backport's project) to your torch.
         warnings = [line for line in proc.stderr.splitlines() if "Warning" in line]
         self.assertEqual(warnings, [])
 
+    @pytest.mark.tooling
     def test_help_answers_at_once(self) -> None:
         """--help and -h print the usage and exit status without importing torch."""
         for flag in ("--help", "-h"):
@@ -212,6 +217,7 @@ exit status:
 <docstring's exit statuses>""",
         )
 
+    @pytest.mark.tooling
     def test_a_check_that_cannot_run(self) -> None:
         """A rank that fails (here gloo, on a network interface that does not exist): exit status 3."""
         proc = _python_m_backport(
@@ -223,6 +229,7 @@ exit status:
         # The launcher's report names the rank's error.
         self.assertIn("Unable to find address for: nonexistent0", proc.stderr)
 
+    @pytest.mark.tooling
     def test_without_torch(self) -> None:
         """A Python without torch gets one line saying what to install, and exit status 3."""
         # -S: no site-packages, so this Python cannot import torch; PYTHONPATH
@@ -235,6 +242,7 @@ exit status:
 backport: this Python (<python>) has no torch: install it first with pip install "torch>=2.7,<2.16" (for a CPU-only or a specific CUDA/ROCm build, add the index URL that pytorch.org gives), then run python -m backport again
 """)
 
+    @pytest.mark.tooling
     def test_usage_error(self) -> None:
         """An unknown argument is a usage error (exit status 2), with no check run."""
         proc = _python_m_backport("-X", "importtime", "-m", "backport", "--world-size=4")

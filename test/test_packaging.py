@@ -16,7 +16,7 @@ import expecttest
 import pytest
 
 
-pytestmark = [pytest.mark.ranks, pytest.mark.torch27]
+pytestmark = [pytest.mark.ranks, pytest.mark.torch27, pytest.mark.tooling]
 
 
 ROOT = Path(__file__).resolve().parent.parent
