@@ -163,9 +163,10 @@ def run(args, accelerator, plugin, model, optim, output_dir: str) -> None:
                 if not args.without_backport:
                     raise
                 traceback.print_exc()
-                print(f"rank {rank()}: without the backport, "
-                      f"saving the optimizer after the evaluation raised KeyError: {err} "
-                      "(the bug backport.apply() fixes)", file=sys.stderr, flush=True)
+                # One write: print() writes the newline apart, and the ranks share stderr.
+                sys.stderr.write(f"rank {rank()}: without the backport, "
+                                 f"saving the optimizer after the evaluation raised KeyError: "
+                                 f"{err} (the bug backport.apply() fixes)\n")
                 raise SystemExit(1) from err
             accelerator.print(f"step {step}: eval loss {eval_loss:.4f}, saved {last_ckpt[1]}")
     accelerator.print("losses:", [round(loss, 6) for loss in losses.values()])

@@ -133,9 +133,10 @@ def run(args, fabric, output_dir: str) -> None:
                 if not args.without_backport:
                     raise
                 traceback.print_exc()
-                print(f"rank {fabric.global_rank}: without the backport, fabric.save after "
-                      f"the evaluation raised KeyError: {err} (the bug backport.apply() fixes)",
-                      file=sys.stderr, flush=True)
+                # One write: print() writes the newline apart, and the ranks share stderr.
+                sys.stderr.write(f"rank {fabric.global_rank}: without the backport, fabric.save "
+                                 f"after the evaluation raised KeyError: {err} "
+                                 "(the bug backport.apply() fixes)\n")
                 raise SystemExit(1) from err
             fabric.print(f"step {step}: eval loss {eval_loss:.4f}, saved {path}")
             first = first or path
