@@ -26,7 +26,7 @@ from _fsdp_cases import (
 from _ranks import run_ranks
 
 
-pytestmark = [pytest.mark.ranks, pytest.mark.torch27, pytest.mark.fresh_ranks]
+pytestmark = [pytest.mark.ranks, pytest.mark.torch27, pytest.mark.fresh_ranks, pytest.mark.frameworks]
 
 
 HAS_HF_STACK = all(

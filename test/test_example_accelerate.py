@@ -8,7 +8,7 @@ import pytest
 from _examples import ExampleTestCase
 
 
-pytestmark = pytest.mark.ranks
+pytestmark = [pytest.mark.ranks, pytest.mark.frameworks]
 
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "accelerate_fsdp2_eval_checkpoint.py"

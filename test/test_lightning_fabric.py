@@ -32,7 +32,7 @@ from _fsdp_cases import (
 )
 
 
-pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
+pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks, pytest.mark.frameworks]
 
 
 def _parallelize(model, device_mesh):

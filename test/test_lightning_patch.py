@@ -43,7 +43,7 @@ from test_lightning_fabric import _parallelize as _parallelize_mixed
 from test_lightning_fabric import _setup, _states, perturb_then_load
 
 
-pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
+pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks, pytest.mark.frameworks]
 
 
 PATCH = Path(__file__).parent.parent / "upstream/lightning_patch/modelparallel-reshard-fsdp2.patch"

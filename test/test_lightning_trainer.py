@@ -30,7 +30,7 @@ from _fsdp_cases import (
 )
 
 
-pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
+pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks, pytest.mark.frameworks]
 
 
 # What ModelParallelStrategy.optimizer_state asks DCP for with distributed checkpoints.

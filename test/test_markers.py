@@ -16,6 +16,12 @@ STARTS_RANKS = re.compile(
     r"\"benchmarks\"|\"examples\"|fuzz_differential\.check"
 )
 PYTESTMARK = re.compile(r"^pytestmark = (.*)$", re.MULTILINE)
+# What imports, looks for or runs (examples/) a framework on top of torch.
+USES_A_FRAMEWORK = re.compile(
+    r'(?:^\s*(?:import|from)\s+|")(accelerate|transformers|peft|lightning_fabric|'
+    r'pytorch_lightning|lightning|torchtitan|twinkle)\b|"examples"',
+    re.MULTILINE,
+)
 
 
 # What the package itself requires, whatever the extra.
@@ -47,6 +53,16 @@ class MarkersTest(unittest.TestCase):
                     bool(STARTS_RANKS.search(source)),
                     "ranks" in declared_marks(source),
                     "mark the module pytest.mark.ranks exactly when it starts ranks",
+                )
+
+    def test_every_module_that_uses_a_framework_is_marked_frameworks(self) -> None:
+        for path in sorted(set(HERE.glob("test_*.py")) - {Path(__file__)}):
+            source = path.read_text()
+            with self.subTest(path.name):
+                self.assertEqual(
+                    bool(USES_A_FRAMEWORK.search(source)),
+                    "frameworks" in declared_marks(source),
+                    "mark the module pytest.mark.frameworks exactly when it uses a framework",
                 )
 
     def test_fresh_ranks_marks_modules_that_start_ranks(self) -> None:

@@ -45,7 +45,7 @@ from _fsdp_cases import (
 )
 
 
-pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
+pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks, pytest.mark.frameworks]
 
 # None when torchtitan is not installed; the tests branch on the release line.
 _TITAN = version("torchtitan") if find_spec("torchtitan") else None

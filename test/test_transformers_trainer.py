@@ -25,7 +25,7 @@ from _fsdp_cases import (
 )
 
 
-pytestmark = [pytest.mark.ranks, pytest.mark.torch27, pytest.mark.fresh_ranks]
+pytestmark = [pytest.mark.ranks, pytest.mark.torch27, pytest.mark.fresh_ranks, pytest.mark.frameworks]
 
 
 VOCAB = 64

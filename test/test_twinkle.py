@@ -37,7 +37,7 @@ from _fsdp_cases import (
 from _ranks import run_ranks
 
 
-pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
+pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks, pytest.mark.frameworks]
 
 
 HAS_TWINKLE = importlib.util.find_spec("twinkle") is not None
