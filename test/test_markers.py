@@ -45,25 +45,21 @@ def declared_marks(source: str) -> set[str]:
 
 
 class MarkersTest(unittest.TestCase):
-    def test_every_module_that_starts_ranks_is_marked_ranks(self) -> None:
+    def assert_marked_exactly_where(self, mark: str, pattern: re.Pattern, what: str) -> None:
         for path in sorted(set(HERE.glob("test_*.py")) - {Path(__file__)}):
             source = path.read_text()
             with self.subTest(path.name):
                 self.assertEqual(
-                    bool(STARTS_RANKS.search(source)),
-                    "ranks" in declared_marks(source),
-                    "mark the module pytest.mark.ranks exactly when it starts ranks",
+                    bool(pattern.search(source)),
+                    mark in declared_marks(source),
+                    f"mark the module pytest.mark.{mark} exactly when it {what}",
                 )
 
+    def test_every_module_that_starts_ranks_is_marked_ranks(self) -> None:
+        self.assert_marked_exactly_where("ranks", STARTS_RANKS, "starts ranks")
+
     def test_every_module_that_uses_a_framework_is_marked_frameworks(self) -> None:
-        for path in sorted(set(HERE.glob("test_*.py")) - {Path(__file__)}):
-            source = path.read_text()
-            with self.subTest(path.name):
-                self.assertEqual(
-                    bool(USES_A_FRAMEWORK.search(source)),
-                    "frameworks" in declared_marks(source),
-                    "mark the module pytest.mark.frameworks exactly when it uses a framework",
-                )
+        self.assert_marked_exactly_where("frameworks", USES_A_FRAMEWORK, "uses a framework")
 
     def test_fresh_ranks_marks_modules_that_start_ranks(self) -> None:
         for path in sorted(HERE.glob("test_*.py")):
