@@ -1,10 +1,9 @@
-"""The test suite once per tested torch release, and twinkle's tests: ``nox`` runs them all.
+"""The test suite once per tested torch release and ruff: ``nox`` runs them all.
 
 ``nox -s "tests(torch='2.13.0')"`` runs one. Each session installs that torch
 (CUDA builds run on the CPU) and this package with its ``test`` extra into its
-own virtualenv, then runs pytest; arguments after ``--`` go to pytest. The
-``twinkle`` session installs the ``twinkle`` extra instead (its pins conflict
-with the ``test`` extra's) and runs ``test/test_twinkle.py``.
+own virtualenv, then runs pytest; arguments after ``--`` go to pytest. On
+2.7.1 the ``twinkle`` extra replaces the ``test`` extra (their pins conflict).
 """
 
 import os
@@ -16,17 +15,21 @@ import nox
 # 2.10.0 is the primary target; 2.15.0 the newest release; 2.7.1 the release
 # twinkle's Ascend documentation pins (torch_npu 2.7.1).
 TORCH_VERSIONS = ["2.7.1", "2.10.0", "2.13.0", "2.15.0"]
+# twinkle-kit pins peft and numpy against the test extra: twinkle's release
+# installs the twinkle extra instead, which has accelerate and transformers
+# too, and runs its torch27 tests (accelerate, transformers, twinkle) with it.
+TWINKLE_TORCH = "2.7.1"
 # The tests marked frameworks (accelerate, transformers, Lightning, torchtitan,
 # the examples) run on this release, which installs the frameworks extra, and
 # only those: the rest run on 2.10.0 and 2.15.0 (CI time). 2.7.1 runs those
-# also marked torch27 (accelerate, transformers).
+# also marked torch27 (accelerate, transformers, twinkle).
 FRAMEWORKS_TORCH = "2.13.0"
 # The multi-rank matrices at world size 2 only, but on 2.10.0, the primary
 # target, which runs them at 1, 2 and 4 ranks.
 WORLD_SIZE_2_ONLY = "not world_size_1 and not world_size_4"
-# Tests of the project's own tools (packaging, the diagnosis's texts, the
-# benchmark script) on 2.10.0 only: their result does not depend on the
-# release, and together they take a minute.
+# Tests of the project's own tools (marked tooling: packaging, the diagnosis's
+# texts, the benchmark script, the rank launcher, recheck_upstream.py) on
+# 2.10.0 only: their result does not depend on the release.
 SELECTIONS = {
     "2.7.1": ["-m", "not tooling"],
     "2.10.0": ["-m", "not frameworks"],
@@ -41,11 +44,11 @@ nox.options.default_venv_backend = "uv|virtualenv"
 
 # `nox` alone runs these (what CI runs); `nox -s flake`, `nox -s fuzz` and
 # `nox -s torchtitan03` are run by hand.
-nox.options.sessions = ["lint", "tests", "twinkle"]
+nox.options.sessions = ["lint", "tests"]
 
-# A CUDA build of torch fills 5.5-7.3 GiB of virtualenv, and the five sessions'
-# virtualenvs 23 GiB: more than some CI machines have free (a run failed with
-# "No space left on device" installing the fourth). With DISCARD_NOX_VENVS=1,
+# A CUDA build of torch fills 5.5-7.3 GiB of virtualenv, and the sessions'
+# virtualenvs together over 20 GiB: more than some CI machines have free (a run
+# failed with "No space left on device" installing the fourth). With DISCARD_NOX_VENVS=1,
 # which .ci/run sets, each session removes its virtualenv when it ends,
 # whatever the result, so one is on disk at a time.
 DISCARD_VENVS = os.environ.get("DISCARD_NOX_VENVS") == "1"
@@ -72,10 +75,18 @@ def _install_and_run(
             shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
 
+def _install_and_pytest(
+    session: nox.Session, requirements: list[str], default: list[str]
+) -> None:
+    """pytest with the arguments after ``--``, or ``default`` without any."""
+    command = ["python", "-m", "pytest", *(session.posargs or default)]
+    _install_and_run(session, requirements, command)
+
+
 @nox.session
 @nox.parametrize("torch", TORCH_VERSIONS)
 def tests(session: nox.Session, torch: str) -> None:
-    extras = ["test"]
+    extras = ["twinkle" if torch == TWINKLE_TORCH else "test"]
     if torch != "2.7.1":
         extras.append("torchao")
     if torch == FRAMEWORKS_TORCH:
@@ -84,32 +95,14 @@ def tests(session: nox.Session, torch: str) -> None:
     default = ["-q", "--durations=15"]
     # On 2.7, test/conftest.py skips every test not marked torch27.
     default += SELECTIONS.get(torch, [])
-    _install_and_run(
-        session,
-        [f"torch=={torch}", f".[{','.join(extras)}]"],
-        ["python", "-m", "pytest", *(session.posargs or default)],
-    )
-
-
-@nox.session
-def twinkle(session: nox.Session) -> None:
-    default = ["-q", "--durations=15", "test/test_twinkle.py"]
-    _install_and_run(
-        session,
-        ["torch==2.13.0", ".[twinkle]"],
-        ["python", "-m", "pytest", *(session.posargs or default)],
-    )
+    _install_and_pytest(session, [f"torch=={torch}", f".[{','.join(extras)}]"], default)
 
 
 @nox.session
 def torchtitan03(session: nox.Session) -> None:
     """test/test_torchtitan.py against torchtitan 0.3.x, which no longer calls DSD."""
-    default = ["-q", "-rs", "test/test_torchtitan.py"]
-    _install_and_run(
-        session,
-        [f"torch=={FRAMEWORKS_TORCH}", ".[test]", "torchtitan==0.3.0"],
-        ["python", "-m", "pytest", *(session.posargs or default)],
-    )
+    requirements = [f"torch=={FRAMEWORKS_TORCH}", ".[test]", "torchtitan==0.3.0"]
+    _install_and_pytest(session, requirements, ["-q", "-rs", "test/test_torchtitan.py"])
 
 
 @nox.session

@@ -18,7 +18,7 @@ from _ranks import RankError, RankWorld, run_ranks, shared_worlds
 
 
 # This module manages its worlds itself.
-pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks]
+pytestmark = [pytest.mark.ranks, pytest.mark.fresh_ranks, pytest.mark.tooling]
 
 # The whole report of a run in which rank 0 segfaulted and rank 1 returned.
 ONLY_RANK_0_SEGFAULTED = r"^1 of 2 ranks failed:\nrank 0: no result \(exit code -11\)$"

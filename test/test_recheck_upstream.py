@@ -6,11 +6,14 @@ import tempfile
 from pathlib import Path
 
 import expecttest
+import pytest
 import torch
 
 
 RECHECK = Path(__file__).parent.parent / "torch_patch" / "recheck_upstream.py"
 STATE_DICT = Path("torch/distributed/checkpoint/state_dict.py")
+
+pytestmark = pytest.mark.tooling
 
 
 class RecheckUpstreamTest(expecttest.TestCase):
