@@ -26,7 +26,7 @@ class TorchPatchTest(expecttest.TestCase):
     def _normalised(self, out: str) -> str:
         """prove.py's output with the torch version and the run times taken out."""
         # The stack applies with full context to every release measured
-        # (2.10.0, 2.13.0 and 2.15.0 in CI, 2.14.1 once): no "with -C1" to take out.
+        # (2.10.0 and 2.15.0 in CI, 2.13.0 and 2.14.1 too): no "with -C1" to take out.
         out = out.replace(str(torch.__version__), "<torch>")
         return re.sub(r"\) in \d+ s$", ") in <n> s", out, flags=re.MULTILINE)
 
