@@ -24,8 +24,8 @@ TWINKLE_TORCH = "2.7.1"
 # only those: the rest run on 2.10.0 and 2.15.0 (CI time). 2.7.1 runs those
 # also marked torch27 (accelerate, transformers, twinkle).
 FRAMEWORKS_TORCH = "2.13.0"
-# The multi-rank matrices at world size 2 only, but on 2.10.0, the primary
-# target, which runs them at 1, 2 and 4 ranks.
+# 2.13.0 and 2.15.0 run the multi-rank tests at world size 2 only; 2.10.0,
+# the primary target, at 1, 2 and 4 ranks.
 WORLD_SIZE_2_ONLY = "not world_size_1 and not world_size_4"
 # Tests of the project's own tools (marked tooling: packaging, the diagnosis's
 # texts, the benchmark script, the rank launcher, recheck_upstream.py) on
