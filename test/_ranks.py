@@ -5,10 +5,17 @@ opens one per test class) consecutive runs reuse one world of ranks, as torch's
 ``MultiProcContinuousTest`` keeps one per class; that class is private and
 unittest-only, so the harness is ours. ``python -m backport`` does not use it: it
 starts its ranks once, with torch's launcher (backport/_diagnose.py).
+
+Ranks fork from multiprocessing's forkserver, which imports ``PRELOAD`` once:
+a rank that imports torch itself spends seconds of CPU on it, which made up
+a third of the suite's time (docs/testing.md). A rank sees the environment of
+this process when its first world started (the server's), with its rank's
+variables added.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import gc
@@ -27,6 +34,12 @@ from typing import Any
 # One failing rank must fail the run, not leave its peers in a collective until
 # gloo's default 30 minute timeout.
 PG_TIMEOUT = timedelta(seconds=90)
+PRELOAD = [
+    "torch",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+]
 
 
 class RankError(RuntimeError):
@@ -117,6 +130,9 @@ def _rank_main(env, tasks, results) -> None:
         # take the GIL and aborts the rank ("terminate called without an active
         # exception", upstream/c10d_issue/ISSUE.md). Freeing the groups now joins them.
         gc.collect()
+        # A forked rank leaves through os._exit(), which skips atexit: run the
+        # handlers (torch's among them) as a spawned rank's exit would.
+        atexit._run_exitfuncs()
 
 
 def _pickled(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
@@ -136,7 +152,7 @@ def _pickled(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
 
 
 class RankWorld:
-    """``world_size`` spawned ranks in one gloo group, running functions one after another.
+    """``world_size`` ranks in one gloo group, running functions one after another.
 
     As torch's ``MultiProcContinuousTest`` keeps one world per test class:
     ``run`` starts the ranks the first time and reuses them after a run that
@@ -159,7 +175,8 @@ class RankWorld:
     def _start(self) -> None:
         import torch.multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         # A pipe per rank for its results, not one queue for all: a rank killed
         # right after reporting can die holding a shared queue's write lock,
