@@ -22,10 +22,10 @@ TWINKLE_TORCH = "2.7.1"
 # The tests marked frameworks (accelerate, transformers, Lightning, torchtitan,
 # the examples) run on this release, which installs the frameworks extra, and
 # only those, tooling and proof: the rest run on 2.10.0 and 2.15.0 (CI time).
-# 2.7.1 runs those also marked torch27 (accelerate, transformers, twinkle).
-# Those two start Python processes by the dozen, each importing torch: a CPU
-# build, where one is at hand (PIP_FIND_LINKS), imports in half the time of
-# the CUDA builds the registry serves.
+# tooling and proof start Python processes by the dozen, each importing torch:
+# a CPU build, where one is at hand (PIP_FIND_LINKS), imports in half the time
+# of the CUDA builds the registry serves. 2.7.1 runs the frameworks tests also
+# marked torch27 (accelerate, transformers, twinkle).
 FRAMEWORKS_TORCH = "2.13.0"
 # 2.13.0 and 2.15.0 run the multi-rank tests at world size 2 only; 2.10.0,
 # the primary target, at 1, 2 and 4 ranks.

@@ -44,7 +44,6 @@ torch <torch> + 0001 + 0002:
 """)
 
 
-
 # A minute or more a run. The PRs target PyTorch's main branch, but CI proves
 # the stack on 2.13.0: the CPU build, whose processes start in half the time
 # of a CUDA build's (docs/testing.md). Each PR alone is proven by hand
